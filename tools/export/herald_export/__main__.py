@@ -1,0 +1,69 @@
+"""Command line: ``python -m herald_export export ...`` (wrapped by ``tools/export/export``).
+
+    export --checkpoint DIR --out BUNDLE [--dtype fp32|fp16]
+    export --tiny PRESET --seed N --out BUNDLE [--dtype fp32|fp16] [--keep-checkpoint DIR]
+
+Exit codes: 0 done; 2 bad input (the message names the file and the problem; nothing is left
+at the output path); 1 an internal error.
+"""
+
+from __future__ import annotations
+
+import argparse
+import shutil
+import sys
+import tempfile
+from pathlib import Path
+
+from .errors import ExportError
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="export", description="Qwen3-TTS 12 Hz checkpoint -> herald bundle")
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    ex = sub.add_parser("export", help="write a bundle from a checkpoint or a tiny random preset")
+    src = ex.add_mutually_exclusive_group(required=True)
+    src.add_argument("--checkpoint", type=Path, help="official Hugging Face checkpoint directory")
+    src.add_argument("--tiny", metavar="PRESET", help="tiny random checkpoint: tiny-0.6b, tiny-1.7b, tiny-hybrid")
+    ex.add_argument("--seed", type=int, default=0, help="random seed of --tiny (default 0)")
+    ex.add_argument("--out", type=Path, required=True, help="bundle directory to write (replaced when complete)")
+    ex.add_argument("--dtype", choices=["fp32", "fp16"], default="fp32", help="weight and cache dtype (default fp32)")
+    ex.add_argument("--keep-checkpoint", type=Path, metavar="DIR", help="with --tiny: keep the generated checkpoint here")
+    ex.add_argument("--quiet", action="store_true", help="no progress bars")
+    args = ap.parse_args(argv)
+
+    from .bundle import export
+    from .tiny import PRESETS, write_tiny_checkpoint
+
+    tmpdir = None
+    try:
+        if args.tiny is not None:
+            if args.tiny not in PRESETS:
+                raise ExportError(args.tiny, f"unknown tiny preset (choose from {', '.join(PRESETS)})")
+            if args.keep_checkpoint:
+                ckpt = args.keep_checkpoint
+                if ckpt.exists():
+                    shutil.rmtree(ckpt)
+            else:
+                tmpdir = tempfile.mkdtemp(prefix="herald-tiny-")
+                ckpt = Path(tmpdir) / args.tiny
+            write_tiny_checkpoint(args.tiny, args.seed, ckpt)
+        else:
+            if args.keep_checkpoint:
+                raise ExportError("--keep-checkpoint", "only valid with --tiny")
+            ckpt = args.checkpoint
+        export(ckpt, args.out, args.dtype, quiet=args.quiet)
+    except ExportError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("error: interrupted; nothing was written", file=sys.stderr)
+        return 130
+    finally:
+        if tmpdir:
+            shutil.rmtree(tmpdir, ignore_errors=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,196 @@
+"""Checkpoint -> herald bundle (format v1, specified in docs/bundle.md).
+
+The bundle is a directory::
+
+    bundle.toml            the manifest: everything the runtime needs to know
+    talker.onnx            talker step graph (prefill and decode)
+    code_predictor.onnx    code-predictor step graph
+    vocoder.onnx           windowed Code2Wav: codes [1,16,frames] -> wav [1, frames*1920]
+    tables.safetensors     host-side tables: projected text embedding, codec embedding, predictor embeddings
+    tokenizer.json         Qwen2 byte-level BPE for the Rust ``tokenizers`` crate
+
+It is written into a temporary sibling directory and renamed into place only when complete, so
+an interrupted or failed export leaves nothing at the output path.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import shutil
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import onnx
+import tomli_w
+from tqdm import tqdm
+
+from . import __version__
+from .checkpoint import LMSpec, LMWeights, ModelSpec, load_spec, sampling_defaults
+from .errors import ExportError
+from .lm import MASK_FILL, build_step_graph, cache_kinds
+from .onnx_graph import io_signature
+from .st_io import SafetensorsFile
+
+FORMAT_VERSION = 1
+FAMILY = "qwen3-tts-12hz"
+DTYPES = {"fp32": np.float32, "fp16": np.float16}
+#: Default chunk ramp and left context of windowed vocoding (DESIGN.md §5).
+DEFAULT_RAMP = [2, 4, 8, 16, 25]
+TABLE_ROWS_PER_CHUNK = 8192
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def projected_text_table(spec: ModelSpec, w: LMWeights, dtype, progress=None) -> np.ndarray:
+    """text_projection(text_embedding) for every text id: [text_vocab, H_talker].
+
+    text_projection = Linear(fc1, bias) -> SiLU -> Linear(fc2, bias) (Qwen3TTSTalkerResizeMLP).
+    Computed in float32 in row chunks; the result is stored in the bundle dtype.
+    """
+    emb = w["talker.model.text_embedding.weight"]
+    w1, b1 = w["talker.text_projection.linear_fc1.weight"], w["talker.text_projection.linear_fc1.bias"]
+    w2, b2 = w["talker.text_projection.linear_fc2.weight"], w["talker.text_projection.linear_fc2.bias"]
+    out = np.empty((emb.shape[0], w2.shape[0]), dtype=dtype)
+    for s in range(0, emb.shape[0], TABLE_ROWS_PER_CHUNK):
+        h = emb[s : s + TABLE_ROWS_PER_CHUNK] @ w1.T + b1
+        h = h * (1.0 / (1.0 + np.exp(-h)))  # SiLU
+        out[s : s + TABLE_ROWS_PER_CHUNK] = (h @ w2.T + b2).astype(dtype)
+        if progress:
+            progress(min(TABLE_ROWS_PER_CHUNK, emb.shape[0] - s))
+    return out
+
+
+def _lm_section(lm: LMSpec, graph: str) -> dict:
+    has_full, window = cache_kinds(lm)
+    return {
+        "graph": graph, "hidden": lm.hidden, "layers": lm.layers, "heads": lm.heads, "kv_heads": lm.kv_heads,
+        "head_dim": lm.head_dim, "intermediate": lm.intermediate, "rms_norm_eps": lm.eps,
+        "rope_theta": lm.rope_theta, "max_positions": lm.max_positions,
+        "cache": [{"kind": k} if k == "full" else {"kind": k, "window": win} for k, win in lm.layer_kinds],
+    }
+
+
+def _graph_entry(path: Path, model: onnx.ModelProto) -> dict:
+    sig = io_signature(model)
+    return {"file": path.name, "sha256": _sha256(path), "inputs": sig["inputs"], "outputs": sig["outputs"]}
+
+
+def export(checkpoint: Path, out: Path, dtype: str = "fp32", quiet: bool = False) -> dict:
+    """Export ``checkpoint`` to a bundle at ``out``; returns the manifest dict.
+
+    Raises ExportError for any problem with the input; ``out`` is untouched in that case.
+    ``out`` is replaced if it already exists and the export succeeds.
+    """
+    from . import tokenizer, vocoder
+
+    if dtype not in DTYPES:
+        raise ExportError(dtype, f"unknown dtype {dtype!r} (fp32 or fp16)")
+    npdt = DTYPES[dtype]
+    checkpoint, out = Path(checkpoint), Path(out)
+    t0 = time.monotonic()
+    spec = load_spec(checkpoint)
+    w = LMWeights(spec)
+    vw = vocoder.load_vocoder(checkpoint)
+    # validate the tokenizer before any heavy work
+    tok_json = tokenizer.build_tokenizer_json(checkpoint)
+
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.parent / f".{out.name}.partial-{os.getpid()}"
+    if tmp.exists():
+        shutil.rmtree(tmp)
+    tmp.mkdir()
+    bar_opts = dict(disable=quiet, file=sys.stderr, leave=True, dynamic_ncols=True)
+    try:
+        graphs = {}
+        for which in ("talker", "code_predictor"):
+            lm = spec.talker if which == "talker" else spec.predictor
+            with tqdm(total=2, desc=f"{which}.onnx", unit="step", **bar_opts) as bar:
+                model = build_step_graph(spec, w, which, npdt)
+                bar.update(1)
+                path = tmp / f"{which}.onnx"
+                onnx.save_model(model, str(path))
+                bar.update(1)
+            graphs[which] = _graph_entry(path, model)
+            del model
+        with tqdm(total=2, desc="vocoder.onnx", unit="step", **bar_opts) as bar:
+            model = vocoder.build_vocoder_graph(vw)
+            bar.update(1)
+            path = tmp / "vocoder.onnx"
+            onnx.save_model(model, str(path))
+            bar.update(1)
+        graphs["vocoder"] = _graph_entry(path, model)
+        del model
+
+        with tqdm(total=spec.text_vocab, desc="tables.safetensors", unit="row", **bar_opts) as bar:
+            text = projected_text_table(spec, w, npdt, progress=bar.update)
+            codec = w["talker.model.codec_embedding.weight"].astype(npdt)
+            cp = np.stack([w[f"talker.code_predictor.model.codec_embedding.{k}.weight"]
+                           for k in range(spec.num_code_groups - 1)]).astype(npdt)
+            from safetensors.numpy import save_file
+
+            save_file({"text_embedding": text, "codec_embedding": codec, "cp_embedding": cp},
+                      str(tmp / "tables.safetensors"), metadata={"format": "herald", "dtype": dtype})
+            os.chmod(tmp / "tables.safetensors", 0o644)
+        tables = {
+            "file": "tables.safetensors", "dtype": "float32" if npdt == np.float32 else "float16",
+            "text_embedding": {"name": "text_embedding", "shape": list(text.shape)},
+            "codec_embedding": {"name": "codec_embedding", "shape": list(codec.shape)},
+            "cp_embedding": {"name": "cp_embedding", "shape": list(cp.shape)},
+        }
+        del text, codec, cp
+        tok_facts = tokenizer.write_bundle_tokenizer(checkpoint, tmp)
+
+        facts = vocoder.vocoder_facts(vw)
+        manifest = {
+            "format_version": FORMAT_VERSION,
+            "model": {
+                "family": FAMILY, "type": spec.model_type, "size": spec.model_size, "dtype": dtype,
+                "source": checkpoint.resolve().name, "exporter": f"herald-export {__version__}",
+            },
+            "audio": {
+                "sample_rate": facts["sample_rate"], "samples_per_frame": facts["samples_per_frame"],
+                "num_codebooks": spec.num_code_groups, "codebook_size": spec.predictor_vocab,
+            },
+            "text": {"vocab_size": spec.text_vocab, **spec.text_ids},
+            "codec": {"vocab_size": spec.codec_vocab, **spec.codec_ids},
+            "languages": dict(sorted(spec.languages.items())),
+            "speakers": dict(sorted(spec.speakers.items())),
+            "speaker_dialects": dict(sorted(spec.speaker_dialects.items())),
+            "sampling": sampling_defaults(spec),
+            "tokenizer": tok_facts,
+            "tables": tables,
+            "talker": _lm_section(spec.talker, "talker"),
+            "code_predictor": {**_lm_section(spec.predictor, "code_predictor"), "projection": spec.has_projection,
+                               "lm_heads": spec.num_code_groups - 1},
+            "vocoder": {"graph": "vocoder", **{k: v for k, v in facts.items() if k not in ("sample_rate", "samples_per_frame")},
+                        "ramp": DEFAULT_RAMP},
+            "attention": {"mask_fill": MASK_FILL, "rope": "rotate_half"},
+            "graphs": graphs,
+        }
+        with open(tmp / "bundle.toml", "wb") as f:
+            f.write(b"# herald model bundle, format v1 (docs/bundle.md). Generated by herald-export; do not edit.\n")
+            tomli_w.dump(manifest, f)
+        # everything is written: swap into place
+        if out.exists():
+            old = out.parent / f".{out.name}.old-{os.getpid()}"
+            out.rename(old)
+            tmp.rename(out)
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            tmp.rename(out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    if not quiet:
+        size = sum(p.stat().st_size for p in out.iterdir())
+        print(f"wrote {out} ({size / 1e6:.1f} MB, {dtype}) in {time.monotonic() - t0:.1f} s", file=sys.stderr)
+    return manifest

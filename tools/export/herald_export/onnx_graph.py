@@ -1,0 +1,253 @@
+"""A small builder for ONNX graphs written directly with ``onnx.helper`` (no torch, no tracing).
+
+Every graph herald ships is built through :class:`GraphBuilder`, so the patterns that other
+exporters' traced graphs carry (IsNaN->Where guards, ``Reshape(allowzero=1)``, rank-0 axes)
+never appear: reshape targets are int64 initializers of rank 1, axes are attributes or rank-1
+initializers, and masks are computed with comparisons, never with NaN guards.
+
+Conventions
+-----------
+- Opset :data:`OPSET` (17): LayerNormalization exists, ReduceMean still takes ``axes`` as an
+  attribute, which tract and onnxruntime both read.
+- Weights come in as numpy arrays in the checkpoint's layout; :meth:`GraphBuilder.weight`
+  stores them in the graph's weight dtype (float32 or float16).
+- ``linear`` takes a torch ``nn.Linear`` weight ``[out, in]`` and stores it transposed
+  ``[in, out]`` so the graph is one ``MatMul`` (plus ``Add`` for a bias).
+"""
+
+from __future__ import annotations
+
+import itertools
+from typing import Iterable, Sequence
+
+import numpy as np
+import onnx
+from onnx import TensorProto, helper, numpy_helper
+
+#: ONNX opset of every herald graph.
+OPSET = 17
+
+#: numpy dtype -> ONNX element type for the dtypes herald graphs use.
+NP_TO_ONNX = {
+    np.dtype(np.float32): TensorProto.FLOAT,
+    np.dtype(np.float16): TensorProto.FLOAT16,
+    np.dtype(np.int64): TensorProto.INT64,
+    np.dtype(np.int32): TensorProto.INT32,
+    np.dtype(np.bool_): TensorProto.BOOL,
+}
+
+#: ONNX element type -> the name used in bundle.toml.
+ONNX_TO_NAME = {
+    TensorProto.FLOAT: "float32",
+    TensorProto.FLOAT16: "float16",
+    TensorProto.INT64: "int64",
+    TensorProto.INT32: "int32",
+    TensorProto.BOOL: "bool",
+}
+
+NAME_TO_NP = {"float32": np.float32, "float16": np.float16, "int64": np.int64, "int32": np.int32, "bool": np.bool_}
+
+
+def onnx_type(dtype: str | np.dtype | type) -> int:
+    """ONNX element type for a bundle dtype name (``"float32"``) or numpy dtype."""
+    if isinstance(dtype, str):
+        dtype = NAME_TO_NP[dtype]
+    return NP_TO_ONNX[np.dtype(dtype)]
+
+
+class GraphBuilder:
+    """Accumulates nodes, initializers and IO of one ONNX graph.
+
+    ``weight_dtype`` is the storage and compute dtype of the weights (``np.float32`` or
+    ``np.float16``); activations follow it except where a builder method says otherwise.
+    """
+
+    def __init__(self, name: str, weight_dtype=np.float32):
+        self.name = name
+        self.wdtype = np.dtype(weight_dtype)
+        self.nodes: list[onnx.NodeProto] = []
+        self.inits: list[onnx.TensorProto] = []
+        self.inputs: list[onnx.ValueInfoProto] = []
+        self.outputs: list[onnx.ValueInfoProto] = []
+        self._ids = itertools.count()
+        self._const_cache: dict[tuple, str] = {}
+        self._scope: list[str] = []
+
+    # ------------------------------------------------------------------ naming
+    def fresh(self, hint: str = "t") -> str:
+        """A new unique tensor name, prefixed with the current scope."""
+        prefix = "/".join(self._scope)
+        return f"{prefix}/{hint}_{next(self._ids)}" if prefix else f"{hint}_{next(self._ids)}"
+
+    class _Scope:
+        def __init__(self, b: "GraphBuilder", name: str):
+            self.b, self.name = b, name
+
+        def __enter__(self):
+            self.b._scope.append(self.name)
+
+        def __exit__(self, *exc):
+            self.b._scope.pop()
+
+    def scope(self, name: str) -> "GraphBuilder._Scope":
+        """Context manager that prefixes tensor names (readable graphs, stable diffs)."""
+        return GraphBuilder._Scope(self, name)
+
+    # ------------------------------------------------------------------ IO
+    def input(self, name: str, dtype, shape: Sequence[int | str]) -> str:
+        """Declare a graph input; symbolic dims are strings (``"past"``, ``"seq"``)."""
+        self.inputs.append(helper.make_tensor_value_info(name, onnx_type(dtype), list(shape)))
+        return name
+
+    def output(self, tensor: str, name: str, dtype, shape: Sequence[int | str]) -> str:
+        """Expose ``tensor`` as graph output ``name`` (an Identity node renames it)."""
+        if tensor != name:
+            self.nodes.append(helper.make_node("Identity", [tensor], [name], name=f"out/{name}"))
+        self.outputs.append(helper.make_tensor_value_info(name, onnx_type(dtype), list(shape)))
+        return name
+
+    # ------------------------------------------------------------------ constants
+    def const(self, value, dtype=None, name: str | None = None) -> str:
+        """An initializer holding ``value`` (numpy array or python scalar/list).
+
+        Small constants are de-duplicated. Scalars become rank-1 of size 1 unless an
+        explicit rank-0 is needed by the op (e.g. Range's start/limit/delta).
+        """
+        arr = np.asarray(value, dtype=dtype) if dtype is not None else np.asarray(value)
+        key = None
+        if arr.size <= 16:
+            key = (arr.dtype.str, arr.shape, arr.tobytes())
+            if key in self._const_cache:
+                return self._const_cache[key]
+        nm = name or self.fresh("const")
+        self.inits.append(numpy_helper.from_array(arr, nm))
+        if key is not None:
+            self._const_cache[key] = nm
+        return nm
+
+    def ints(self, values: Iterable[int]) -> str:
+        """A rank-1 int64 initializer (reshape targets, axes, pads, slice bounds)."""
+        return self.const(np.asarray(list(values), dtype=np.int64))
+
+    def weight(self, arr: np.ndarray, name: str | None = None, dtype=None) -> str:
+        """Store a checkpoint tensor in the graph's weight dtype (or ``dtype``)."""
+        dt = np.dtype(dtype) if dtype is not None else self.wdtype
+        return self.const(np.ascontiguousarray(arr, dtype=dt), name=name)
+
+    def scalar(self, value: float, dtype=None) -> str:
+        """A rank-1 size-1 float constant in the activation dtype (broadcasts everywhere)."""
+        return self.const(np.asarray([value], dtype=dtype or self.wdtype))
+
+    # ------------------------------------------------------------------ ops
+    def op(self, op_type: str, inputs: Sequence[str], n_out: int = 1, hint: str | None = None, **attrs):
+        """Append one node; returns its output name (or a tuple of names for n_out > 1)."""
+        outs = [self.fresh(hint or op_type.lower()) for _ in range(n_out)]
+        self.nodes.append(
+            helper.make_node(op_type, list(inputs), outs, name=self.fresh(f"n_{op_type}"), **attrs)
+        )
+        return outs[0] if n_out == 1 else tuple(outs)
+
+    def add(self, a, b):
+        return self.op("Add", [a, b])
+
+    def sub(self, a, b):
+        return self.op("Sub", [a, b])
+
+    def mul(self, a, b):
+        return self.op("Mul", [a, b])
+
+    def div(self, a, b):
+        return self.op("Div", [a, b])
+
+    def matmul(self, a, b):
+        return self.op("MatMul", [a, b])
+
+    def cast(self, x, dtype):
+        return self.op("Cast", [x], to=onnx_type(dtype))
+
+    def reshape(self, x, shape: Sequence[int]):
+        """Reshape with 0 = copy that dim and -1 = infer (allowzero stays 0)."""
+        return self.op("Reshape", [x, self.ints(shape)])
+
+    def transpose(self, x, perm: Sequence[int]):
+        return self.op("Transpose", [x], perm=list(perm))
+
+    def concat(self, xs: Sequence[str], axis: int):
+        return self.op("Concat", list(xs), axis=axis)
+
+    def slice(self, x, starts, ends, axes, steps=None):
+        ins = [x, self.ints(starts), self.ints(ends), self.ints(axes)]
+        if steps is not None:
+            ins.append(self.ints(steps))
+        return self.op("Slice", ins)
+
+    def unsqueeze(self, x, axes: Sequence[int]):
+        return self.op("Unsqueeze", [x, self.ints(axes)])
+
+    def sigmoid(self, x):
+        return self.op("Sigmoid", [x])
+
+    def silu(self, x):
+        """SiLU(x) = x * sigmoid(x) (torch ``F.silu``)."""
+        return self.mul(x, self.sigmoid(x))
+
+    def gelu_exact(self, x):
+        """GELU with erf (torch ``nn.GELU()`` default): 0.5 x (1 + erf(x / sqrt 2))."""
+        e = self.op("Erf", [self.mul(x, self.scalar(1.0 / np.sqrt(2.0)))])
+        return self.mul(self.mul(x, self.scalar(0.5)), self.add(e, self.scalar(1.0)))
+
+    def linear(self, x, w: np.ndarray, b: np.ndarray | None = None, wname: str | None = None):
+        """``x @ w.T + b`` for a torch Linear weight ``w`` [out, in] (stored as [in, out])."""
+        y = self.matmul(x, self.weight(np.ascontiguousarray(np.asarray(w).T), name=wname))
+        if b is not None:
+            y = self.add(y, self.weight(b))
+        return y
+
+    def rms_norm(self, x, w: np.ndarray, eps: float):
+        """RMSNorm as Qwen3 computes it: in float32, then cast back, then scaled by ``w``.
+
+        y = w * (x / sqrt(mean(x^2, -1) + eps)); x [..., D], w [D]. The float32 island keeps
+        fp16 graphs from overflowing on large activations (x^2 > 65504).
+        """
+        xf = self.cast(x, np.float32) if self.wdtype != np.float32 else x
+        var = self.op("ReduceMean", [self.mul(xf, xf)], axes=[-1], keepdims=1)
+        inv = self.op("Reciprocal", [self.op("Sqrt", [self.add(var, self.scalar(eps, np.float32))])])
+        y = self.mul(xf, inv)
+        if self.wdtype != np.float32:
+            y = self.cast(y, self.wdtype)
+        return self.mul(y, self.weight(w))
+
+    def softmax_f32(self, scores, axis: int = -1):
+        """Softmax computed in float32 (as torch does with ``dtype=torch.float32``), cast back."""
+        if self.wdtype != np.float32:
+            p = self.op("Softmax", [self.cast(scores, np.float32)], axis=axis)
+            return self.cast(p, self.wdtype)
+        return self.op("Softmax", [scores], axis=axis)
+
+    # ------------------------------------------------------------------ model
+    def model(self, doc: str = "") -> onnx.ModelProto:
+        """The finished model, verified with ``onnx.checker`` (full check)."""
+        graph = helper.make_graph(self.nodes, self.name, self.inputs, self.outputs, self.inits, doc_string=doc)
+        m = helper.make_model(
+            graph,
+            opset_imports=[helper.make_opsetid("", OPSET)],
+            producer_name="herald-export",
+            ir_version=8,
+        )
+        onnx.checker.check_model(m, full_check=True)
+        return m
+
+
+def io_signature(model: onnx.ModelProto) -> dict:
+    """Inputs and outputs of a model as ``{"inputs": [...], "outputs": [...]}``.
+
+    Each entry is ``{"name", "dtype", "shape"}`` where symbolic dims are their names.
+    This is exactly what bundle.toml records per graph and what the runtime validates.
+    """
+
+    def one(vi):
+        tt = vi.type.tensor_type
+        dims = [d.dim_param if d.dim_param else int(d.dim_value) for d in tt.shape.dim]
+        return {"name": vi.name, "dtype": ONNX_TO_NAME[tt.elem_type], "shape": dims}
+
+    return {"inputs": [one(v) for v in model.graph.input], "outputs": [one(v) for v in model.graph.output]}
