@@ -1,0 +1,498 @@
+//! `bundle.toml`, format v1: the typed manifest of a herald model bundle.
+//!
+//! The format is specified in `docs/bundle.md` and written by `tools/export` (Python). Every
+//! table here rejects unknown keys, so a manifest and this parser cannot drift apart silently.
+//! Loading checks the format version, that every file the manifest names exists inside the
+//! bundle directory, and the internal consistency of the numbers (ids inside their vocabularies,
+//! cache kinds per layer, table shapes against the model sizes). Checking the ONNX graphs
+//! themselves against their declared IO is the graph loader's job.
+
+use std::collections::BTreeMap;
+use std::path::{Component, Path, PathBuf};
+
+use serde::Deserialize;
+
+/// The only manifest format this build reads.
+pub const FORMAT_VERSION: u32 = 1;
+/// The model family this build runs.
+pub const FAMILY: &str = "qwen3-tts-12hz";
+
+/// Why a bundle cannot be used. Every variant names the file or key at fault.
+#[derive(Debug, thiserror::Error)]
+pub enum ManifestError {
+    /// The bundle directory or its manifest could not be read.
+    #[error("{path}: cannot read: {source}")]
+    Io {
+        /// File or directory that failed.
+        path: PathBuf,
+        /// The operating system's reason.
+        source: std::io::Error,
+    },
+    /// `bundle.toml` is not valid TOML or does not match format v1 (unknown or missing keys,
+    /// wrong types); the message is the parser's, with the key and line.
+    #[error("{path}: {message}")]
+    Parse {
+        /// The manifest file.
+        path: PathBuf,
+        /// What the TOML parser reported.
+        message: String,
+    },
+    /// The manifest is well-formed but describes something this build cannot run.
+    #[error("{path}: {message}")]
+    Invalid {
+        /// The manifest file.
+        path: PathBuf,
+        /// What is wrong, naming the key.
+        message: String,
+    },
+}
+
+/// `[model]`: what the bundle was made from.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ModelInfo {
+    /// Model family, always [`FAMILY`].
+    pub family: String,
+    /// `tts_model_type` of the checkpoint: `base`, `custom_voice` or `voice_design`.
+    #[serde(rename = "type")]
+    pub kind: String,
+    /// `tts_model_size`, e.g. `0b6`.
+    pub size: String,
+    /// `fp32` or `fp16`: weights, caches and tables.
+    pub dtype: String,
+    /// Name of the checkpoint directory it was exported from.
+    pub source: String,
+    /// Exporter name and version.
+    pub exporter: String,
+}
+
+/// `[audio]`: frame and sample facts (from the speech tokenizer's config).
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct AudioInfo {
+    /// PCM sample rate in Hz (24000 for the 12 Hz codec).
+    pub sample_rate: u32,
+    /// PCM samples per codec frame (1920: one frame is 80 ms).
+    pub samples_per_frame: u32,
+    /// Codebooks per frame (16).
+    pub num_codebooks: u32,
+    /// Codes per codebook (2048).
+    pub codebook_size: u32,
+}
+
+/// `[text]`: text-side vocabulary size and special ids.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct TextIds {
+    /// Rows of the text embedding table.
+    pub vocab_size: u32,
+    /// `<|im_start|>`.
+    pub im_start: u32,
+    /// `<|im_end|>`.
+    pub im_end: u32,
+    /// `<tts_pad>`.
+    pub tts_pad: u32,
+    /// `<tts_text_bos>`.
+    pub tts_bos: u32,
+    /// `<tts_text_eod>`.
+    pub tts_eos: u32,
+    /// The id of `assistant`, when the checkpoint states it.
+    pub assistant: Option<u32>,
+}
+
+/// `[codec]`: the talker's codec vocabulary and its special ids.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct CodecIds {
+    /// Talker vocabulary size (3072).
+    pub vocab_size: u32,
+    /// `codec_pad_id`.
+    pub pad: u32,
+    /// `codec_bos_id`.
+    pub bos: u32,
+    /// `codec_eos_token_id`: generation stops when codebook 0 samples it.
+    pub eos: u32,
+    /// `codec_think_id`.
+    pub think: u32,
+    /// `codec_nothink_id`.
+    pub nothink: u32,
+    /// `codec_think_bos_id`.
+    pub think_bos: u32,
+    /// `codec_think_eos_id`.
+    pub think_eos: u32,
+}
+
+/// `[sampling.talker]`: defaults from the checkpoint's generation_config.json.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct TalkerSampling {
+    /// Sample (true) or take the argmax.
+    pub do_sample: bool,
+    /// Softmax temperature.
+    pub temperature: f32,
+    /// Keep the k most likely ids.
+    pub top_k: u32,
+    /// Nucleus mass.
+    pub top_p: f32,
+    /// Penalty over previously sampled codebook-0 ids (HF sign rule).
+    pub repetition_penalty: f32,
+    /// EOS is blocked for this many frames.
+    pub min_new_tokens: u32,
+    /// Hard frame limit.
+    pub max_new_tokens: u32,
+}
+
+/// `[sampling.code_predictor]`: the "subtalker" defaults.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct PredictorSampling {
+    /// Sample (true) or take the argmax.
+    pub do_sample: bool,
+    /// Softmax temperature.
+    pub temperature: f32,
+    /// Keep the k most likely codes.
+    pub top_k: u32,
+    /// Nucleus mass.
+    pub top_p: f32,
+}
+
+/// `[sampling]`.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Sampling {
+    /// Codebook 0.
+    pub talker: TalkerSampling,
+    /// Codebooks 1..15.
+    pub code_predictor: PredictorSampling,
+}
+
+/// `[tokenizer]`.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct TokenizerInfo {
+    /// File name inside the bundle (`tokenizer.json`).
+    pub file: String,
+    /// Regular BPE tokens.
+    pub vocab_size: u32,
+    /// BPE merges.
+    pub merges: u32,
+    /// Special tokens.
+    pub added_tokens: u32,
+    /// Hex SHA-256 of the file.
+    pub sha256: String,
+}
+
+/// One named tensor in `tables.safetensors`.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct TableRef {
+    /// Tensor name in the file.
+    pub name: String,
+    /// Shape, outermost first.
+    pub shape: Vec<u64>,
+}
+
+/// `[tables]`: host-side embedding tables.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Tables {
+    /// File name inside the bundle.
+    pub file: String,
+    /// `float32` or `float16`.
+    pub dtype: String,
+    /// Projected text embedding `[text vocab, H]`.
+    pub text_embedding: TableRef,
+    /// Talker codec embedding `[codec vocab, H]`.
+    pub codec_embedding: TableRef,
+    /// Code-predictor input embeddings `[15, 2048, H]`.
+    pub cp_embedding: TableRef,
+}
+
+/// Cache kind of one decoder layer.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]
+#[serde(tag = "kind", rename_all = "lowercase", deny_unknown_fields)]
+pub enum CacheKind {
+    /// Slot = position; capacity grows with the sequence.
+    Full,
+    /// A ring of `window - 1` slots, slot = position mod (window - 1).
+    Sliding {
+        /// Window W including the query itself (Hugging Face's `sliding_window`).
+        window: u32,
+    },
+}
+
+/// `[talker]` and `[code_predictor]`: one decoder stack.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct StackInfo {
+    /// Key into [`Manifest::graphs`].
+    pub graph: String,
+    /// Hidden size.
+    pub hidden: u32,
+    /// Decoder layers.
+    pub layers: u32,
+    /// Query heads.
+    pub heads: u32,
+    /// Key/value heads.
+    pub kv_heads: u32,
+    /// Per-head dimension.
+    pub head_dim: u32,
+    /// SwiGLU width.
+    pub intermediate: u32,
+    /// RMSNorm epsilon.
+    pub rms_norm_eps: f64,
+    /// RoPE base.
+    pub rope_theta: f64,
+    /// `max_position_embeddings`.
+    pub max_positions: u32,
+    /// Per layer, in order.
+    pub cache: Vec<CacheKind>,
+    /// Code predictor only: `small_to_mtp_projection` present.
+    pub projection: Option<bool>,
+    /// Code predictor only: number of heads selected by the `head` input.
+    pub lm_heads: Option<u32>,
+}
+
+/// `[vocoder]`.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct VocoderInfo {
+    /// Key into [`Manifest::graphs`].
+    pub graph: String,
+    /// Codebooks read per frame.
+    pub num_quantizers: u32,
+    /// Codes per codebook.
+    pub codebook_size: u32,
+    /// Causal window of the decoder transformer, in frames (72).
+    pub sliding_window: u32,
+    /// Default left context of windowed decoding, in frames.
+    pub left_context_frames: u32,
+    /// Decoder transformer layers.
+    pub transformer_layers: u32,
+    /// History of the convolution stack, in frames.
+    pub conv_receptive_field_frames: u32,
+    /// Total history one sample depends on, in frames.
+    pub receptive_field_frames: u32,
+    /// Default chunk ramp in frames.
+    pub ramp: Vec<u32>,
+}
+
+/// `[attention]`: host-side constants of the step-graph contract.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct AttentionInfo {
+    /// Additive mask value for hidden keys.
+    pub mask_fill: f32,
+    /// RoPE layout (`rotate_half`).
+    pub rope: String,
+}
+
+/// One symbolic or fixed dimension of a graph IO shape.
+#[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
+#[serde(untagged)]
+pub enum Dim {
+    /// A fixed size.
+    Fixed(u64),
+    /// A symbolic size, by name (`seq`, `past`, `frames`, ...).
+    Symbol(String),
+}
+
+/// One input or output of a graph.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct TensorSpec {
+    /// Name in the ONNX graph.
+    pub name: String,
+    /// `float32`, `float16`, `int64`.
+    pub dtype: String,
+    /// Dimensions, outermost first.
+    pub shape: Vec<Dim>,
+}
+
+/// `[graphs.<name>]`.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct GraphInfo {
+    /// ONNX file name inside the bundle.
+    pub file: String,
+    /// Hex SHA-256 of the file.
+    pub sha256: String,
+    /// Inputs in graph order.
+    pub inputs: Vec<TensorSpec>,
+    /// Outputs in graph order.
+    pub outputs: Vec<TensorSpec>,
+}
+
+/// The whole `bundle.toml`.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Manifest {
+    /// Must equal [`FORMAT_VERSION`].
+    pub format_version: u32,
+    /// `[model]`.
+    pub model: ModelInfo,
+    /// `[audio]`.
+    pub audio: AudioInfo,
+    /// `[text]`.
+    pub text: TextIds,
+    /// `[codec]`.
+    pub codec: CodecIds,
+    /// Language name → codec id.
+    pub languages: BTreeMap<String, u32>,
+    /// Speaker name → codec id.
+    pub speakers: BTreeMap<String, u32>,
+    /// Dialect speakers → the dialect language they force.
+    #[serde(default)]
+    pub speaker_dialects: BTreeMap<String, String>,
+    /// `[sampling]`.
+    pub sampling: Sampling,
+    /// `[tokenizer]`.
+    pub tokenizer: TokenizerInfo,
+    /// `[tables]`.
+    pub tables: Tables,
+    /// `[talker]`.
+    pub talker: StackInfo,
+    /// `[code_predictor]`.
+    pub code_predictor: StackInfo,
+    /// `[vocoder]`.
+    pub vocoder: VocoderInfo,
+    /// `[attention]`.
+    pub attention: AttentionInfo,
+    /// Graph name → graph.
+    pub graphs: BTreeMap<String, GraphInfo>,
+}
+
+impl Manifest {
+    /// Parse and validate `DIR/bundle.toml`, checking that every file it names exists inside
+    /// `DIR`.
+    ///
+    /// # Errors
+    /// [`ManifestError::Io`] when the file cannot be read, [`ManifestError::Parse`] for TOML or
+    /// schema errors, [`ManifestError::Invalid`] for inconsistent or unsupported content.
+    pub fn load(dir: &Path) -> Result<Self, ManifestError> {
+        let path = dir.join("bundle.toml");
+        let text = std::fs::read_to_string(&path).map_err(|source| ManifestError::Io { path: path.clone(), source })?;
+        let m = Self::parse(&text, &path)?;
+        for file in m.files() {
+            let p = dir.join(file);
+            if !p.is_file() {
+                return Err(ManifestError::Invalid { path, message: format!("names {file}, which is not in the bundle") });
+            }
+        }
+        Ok(m)
+    }
+
+    /// Parse and validate manifest text; `path` is only used in messages.
+    ///
+    /// # Errors
+    /// As [`Manifest::load`], without the file checks.
+    pub fn parse(text: &str, path: &Path) -> Result<Self, ManifestError> {
+        let m: Manifest =
+            toml::from_str(text).map_err(|e| ManifestError::Parse { path: path.to_owned(), message: e.to_string() })?;
+        m.validate().map_err(|message| ManifestError::Invalid { path: path.to_owned(), message })?;
+        Ok(m)
+    }
+
+    /// Every file the manifest names, relative to the bundle directory.
+    pub fn files(&self) -> Vec<&str> {
+        let mut v = vec![self.tokenizer.file.as_str(), self.tables.file.as_str()];
+        v.extend(self.graphs.values().map(|g| g.file.as_str()));
+        v
+    }
+
+    /// Frames per second of the codec (12.5 for the 12 Hz family).
+    pub fn frame_rate(&self) -> f64 {
+        f64::from(self.audio.sample_rate) / f64::from(self.audio.samples_per_frame)
+    }
+
+    fn validate(&self) -> Result<(), String> {
+        if self.format_version != FORMAT_VERSION {
+            return Err(format!(
+                "format_version {} is not supported by this herald (it reads {FORMAT_VERSION}); re-export the bundle",
+                self.format_version
+            ));
+        }
+        if self.model.family != FAMILY {
+            return Err(format!("model.family {:?} is not {FAMILY:?}", self.model.family));
+        }
+        if !matches!(self.model.dtype.as_str(), "fp32" | "fp16") {
+            return Err(format!("model.dtype {:?} must be \"fp32\" or \"fp16\"", self.model.dtype));
+        }
+        let a = &self.audio;
+        if a.sample_rate == 0 || a.samples_per_frame == 0 || a.num_codebooks < 2 || a.codebook_size == 0 {
+            return Err("audio: sample_rate, samples_per_frame, codebook_size must be positive and num_codebooks >= 2".into());
+        }
+        let c = &self.codec;
+        for (k, v) in [("pad", c.pad), ("bos", c.bos), ("eos", c.eos), ("think", c.think), ("nothink", c.nothink),
+            ("think_bos", c.think_bos), ("think_eos", c.think_eos)]
+        {
+            if v >= c.vocab_size {
+                return Err(format!("codec.{k} = {v} is outside the codec vocabulary 0..{}", c.vocab_size));
+            }
+        }
+        let t = &self.text;
+        for (k, v) in [("im_start", t.im_start), ("im_end", t.im_end), ("tts_pad", t.tts_pad), ("tts_bos", t.tts_bos),
+            ("tts_eos", t.tts_eos)]
+        {
+            if v >= t.vocab_size {
+                return Err(format!("text.{k} = {v} is outside the text vocabulary 0..{}", t.vocab_size));
+            }
+        }
+        for (table, map) in [("languages", &self.languages), ("speakers", &self.speakers)] {
+            if let Some((name, id)) = map.iter().find(|(_, id)| **id >= c.vocab_size) {
+                return Err(format!("{table}.{name} = {id} is outside the codec vocabulary"));
+            }
+        }
+        if let Some((spk, lang)) = self.speaker_dialects.iter().find(|(_, l)| !self.languages.contains_key(*l)) {
+            return Err(format!("speaker_dialects.{spk} names {lang:?}, which is not in [languages]"));
+        }
+        for (name, s) in [("talker", &self.talker), ("code_predictor", &self.code_predictor)] {
+            if s.cache.len() != s.layers as usize {
+                return Err(format!("{name}.cache lists {} layers, {name}.layers is {}", s.cache.len(), s.layers));
+            }
+            if s.kv_heads == 0 || s.heads % s.kv_heads != 0 || s.head_dim % 2 != 0 {
+                return Err(format!("{name}: heads {} must be a multiple of kv_heads {} and head_dim {} even", s.heads, s.kv_heads, s.head_dim));
+            }
+            if let Some(CacheKind::Sliding { window }) = s.cache.iter().find(|k| matches!(k, CacheKind::Sliding { window } if *window < 2)) {
+                return Err(format!("{name}.cache: sliding window {window} must be at least 2"));
+            }
+            if !self.graphs.contains_key(&s.graph) {
+                return Err(format!("{name}.graph = {:?} is not in [graphs]", s.graph));
+            }
+        }
+        if !self.graphs.contains_key(&self.vocoder.graph) {
+            return Err(format!("vocoder.graph = {:?} is not in [graphs]", self.vocoder.graph));
+        }
+        if self.vocoder.ramp.is_empty() || self.vocoder.ramp.contains(&0) {
+            return Err("vocoder.ramp must list positive chunk sizes".into());
+        }
+        let h = u64::from(self.talker.hidden);
+        let groups = u64::from(a.num_codebooks - 1);
+        for (name, tr, want) in [
+            ("text_embedding", &self.tables.text_embedding, vec![u64::from(t.vocab_size), h]),
+            ("codec_embedding", &self.tables.codec_embedding, vec![u64::from(c.vocab_size), h]),
+            ("cp_embedding", &self.tables.cp_embedding, vec![groups, u64::from(a.codebook_size), h]),
+        ] {
+            if tr.shape != want {
+                return Err(format!("tables.{name}.shape is {:?}, the model sizes imply {want:?}", tr.shape));
+            }
+        }
+        for (gname, g) in &self.graphs {
+            if !is_plain_file_name(&g.file) {
+                return Err(format!("graphs.{gname}.file {:?} must be a file name inside the bundle", g.file));
+            }
+        }
+        for (key, f) in [("tokenizer.file", &self.tokenizer.file), ("tables.file", &self.tables.file)] {
+            if !is_plain_file_name(f) {
+                return Err(format!("{key} {f:?} must be a file name inside the bundle"));
+            }
+        }
+        Ok(())
+    }
+}
+
+/// True when `name` is a single normal path component (no `..`, no `/`, not absolute).
+fn is_plain_file_name(name: &str) -> bool {
+    let mut comps = Path::new(name).components();
+    matches!((comps.next(), comps.next()), (Some(Component::Normal(_)), None))
+}

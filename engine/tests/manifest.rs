@@ -1,0 +1,87 @@
+//! The Rust manifest parser against bundles written by the Python exporter: the two sides of
+//! docs/bundle.md must agree on every key.
+
+mod common;
+
+use std::path::Path;
+
+use engine::manifest::{CacheKind, Dim, Manifest, ManifestError};
+
+#[test]
+fn reads_every_tiny_bundle() {
+    for preset in common::PRESETS {
+        let dir = common::bundle(preset);
+        let m = Manifest::load(&dir).unwrap_or_else(|e| panic!("{preset}: {e}"));
+        assert_eq!(m.audio.samples_per_frame, 1920);
+        assert_eq!(m.audio.sample_rate, 24000);
+        assert!((m.frame_rate() - 12.5).abs() < 1e-12);
+        assert_eq!(m.codec.eos, 2150);
+        assert_eq!(m.text.tts_pad, 151671);
+        assert_eq!(m.talker.cache.len(), m.talker.layers as usize);
+        assert_eq!(m.code_predictor.projection, Some(preset == "tiny-1.7b"));
+        let sliding = m.talker.cache.iter().filter(|c| matches!(c, CacheKind::Sliding { window: 8 })).count();
+        assert_eq!(sliding, if preset == "tiny-hybrid" { 2 } else { 0 });
+        let talker = &m.graphs["talker"];
+        assert_eq!(talker.inputs[0].name, "x");
+        assert_eq!(talker.inputs[0].shape, vec![Dim::Fixed(1), Dim::Symbol("seq".into()), Dim::Fixed(m.talker.hidden.into())]);
+        assert_eq!(m.graphs["vocoder"].outputs[0].name, "wav");
+        assert_eq!(m.vocoder.ramp, vec![2, 4, 8, 16, 25]);
+        assert!(m.speakers.contains_key("serena"));
+        assert_eq!(m.speaker_dialects.get("eric").map(String::as_str), Some("sichuan_dialect"));
+    }
+}
+
+fn manifest_text() -> String {
+    std::fs::read_to_string(common::bundle("tiny-0.6b").join("bundle.toml")).unwrap()
+}
+
+fn parse(text: &str) -> Result<Manifest, ManifestError> {
+    Manifest::parse(text, Path::new("bundle.toml"))
+}
+
+#[test]
+fn rejects_other_format_versions() {
+    let err = parse(&manifest_text().replace("format_version = 1", "format_version = 2")).unwrap_err();
+    assert!(err.to_string().contains("format_version 2"), "{err}");
+}
+
+#[test]
+fn rejects_unknown_keys() {
+    let err = parse(&manifest_text().replace("[audio]\n", "[audio]\nloudness = 3\n")).unwrap_err();
+    assert!(matches!(err, ManifestError::Parse { .. }));
+    assert!(err.to_string().contains("loudness"), "{err}");
+}
+
+#[test]
+fn rejects_ids_outside_their_vocabulary() {
+    let err = parse(&manifest_text().replace("eos = 2150", "eos = 9999")).unwrap_err();
+    assert!(err.to_string().contains("codec.eos = 9999"), "{err}");
+}
+
+#[test]
+fn rejects_paths_leaving_the_bundle() {
+    let err = parse(&manifest_text().replace("file = \"talker.onnx\"", "file = \"../talker.onnx\"")).unwrap_err();
+    assert!(err.to_string().contains("must be a file name inside the bundle"), "{err}");
+}
+
+#[test]
+fn rejects_a_missing_file() {
+    let src = common::bundle("tiny-0.6b");
+    let dir = Path::new(env!("CARGO_TARGET_TMPDIR")).join("missing-file-bundle");
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap();
+    std::fs::copy(src.join("bundle.toml"), dir.join("bundle.toml")).unwrap();
+    let err = Manifest::load(&dir).unwrap_err();
+    assert!(err.to_string().contains("which is not in the bundle"), "{err}");
+    let err = Manifest::load(&dir.join("nope")).unwrap_err();
+    assert!(matches!(err, ManifestError::Io { .. }), "{err}");
+}
+
+#[test]
+fn rejects_table_shapes_that_contradict_the_model() {
+    let text = manifest_text();
+    let bad = text.replacen("151936,\n    16,\n]", "151936,\n    17,\n]", 1);
+    assert_ne!(bad, text, "fixture layout changed");
+    let err = parse(&bad).unwrap_err();
+    assert!(err.to_string().contains("tables.text_embedding.shape"), "{err}");
+}
