@@ -10,6 +10,8 @@ Cache kinds (bundle.toml ``[[talker.cache]]``):
   order, so the ring needs no reordering. ``layout="roll"`` keeps the same W-1 entries in
   chronological order instead (shift left on overflow); tests use it to prove the ring right.
 
+Cache tensors are position-major, [1, positions, KV, head_dim], as the graphs take them.
+
 Masks are additive float32: 0 where a key is visible, ``MASK_FILL`` where it is not. A query at
 position q sees key position p when p <= q (and, for sliding layers, p > q - W).
 """
@@ -44,11 +46,11 @@ class StackCache:
         self.window = None
         for i, (kind, w) in enumerate(lm.layer_kinds):
             if kind == "full":
-                z = np.zeros((1, lm.kv_heads, 0, lm.head_dim), self.dtype)
+                z = np.zeros((1, 0, lm.kv_heads, lm.head_dim), self.dtype)
                 self.full[i] = [z, z.copy()]
             else:
                 self.window = w
-                z = np.zeros((1, lm.kv_heads, w - 1, lm.head_dim), self.dtype)
+                z = np.zeros((1, w - 1, lm.kv_heads, lm.head_dim), self.dtype)
                 self.ring[i] = [z, z.copy()]
         # position held by each ring slot (-1 = never written); shared by all sliding layers
         self.slot_pos = np.full(self.window - 1, -1, np.int64) if self.window else None
@@ -79,7 +81,7 @@ class StackCache:
         lm = self.lm
         if start is not None and start != self.next_pos:
             raise StaleStep(f"step starts at position {start}, cache expects {self.next_pos}")
-        want = (1, lm.kv_heads, n_new, lm.head_dim)
+        want = (1, n_new, lm.kv_heads, lm.head_dim)
         for i in range(lm.layers):
             for kv in ("k", "v"):
                 a = outputs.get(f"{kv}_new_{i}")
@@ -90,19 +92,19 @@ class StackCache:
         pos = np.arange(self.next_pos, self.next_pos + n_new)
         for i in self.full:
             for j, kv in enumerate("kv"):
-                self.full[i][j] = np.concatenate([self.full[i][j], outputs[f"{kv}_new_{i}"].astype(self.dtype)], axis=2)
+                self.full[i][j] = np.concatenate([self.full[i][j], outputs[f"{kv}_new_{i}"].astype(self.dtype)], axis=1)
         if self.ring:
             R = self.window - 1
             keep = pos[-R:]                       # a long prefill keeps only the last W-1 positions
             sel = slice(n_new - len(keep), n_new)
             for i in self.ring:
                 for j, kv in enumerate("kv"):
-                    new = outputs[f"{kv}_new_{i}"][:, :, sel].astype(self.dtype)
+                    new = outputs[f"{kv}_new_{i}"][:, sel].astype(self.dtype)
                     if self.layout == "ring":
-                        self.ring[i][j][:, :, keep % R] = new
+                        self.ring[i][j][:, keep % R] = new
                     else:
-                        buf = np.concatenate([self.ring[i][j], new], axis=2)
-                        self.ring[i][j] = np.ascontiguousarray(buf[:, :, -R:])
+                        buf = np.concatenate([self.ring[i][j], new], axis=1)
+                        self.ring[i][j] = np.ascontiguousarray(buf[:, -R:])
             if self.layout == "ring":
                 self.slot_pos[keep % R] = keep
             else:

@@ -9,7 +9,9 @@ position rows are identical), so both stacks take ordinary cos/sin tables.
 Step graph contract (docs/bundle.md "Step graphs"): the host supplies embeddings, cos/sin,
 additive masks and the caches; the graph returns logits, the post-norm hidden state and only the
 new K/V entries. One graph serves prefill (seq > 1) and decode (seq = 1). GQA reshapes the
-query to [KV, group, ...]; K/V are never expanded.
+query to [KV, group, ...]; K/V are never expanded, and never concatenated with the cache: the
+softmax runs over [cache | new] scores and the two weighted sums are added, so no cache-sized
+tensor is copied per step, in the graph or on the host.
 """
 
 from __future__ import annotations
@@ -36,7 +38,7 @@ def cache_kinds(lm: LMSpec) -> tuple[bool, int | None]:
 
 
 def _attention(b: GraphBuilder, lm: LMSpec, w: LMWeights, i: int, h, cos, sin, mask, kc, vc):
-    """One self-attention block; returns (output [1,S,H], k_new [1,KV,S,D], v_new [1,KV,S,D])."""
+    """One self-attention block; returns (output [1,S,H], k_new [1,S,KV,D], v_new [1,S,KV,D])."""
     D, Hq, KV = lm.head_dim, lm.heads, lm.kv_heads
     G = Hq // KV
     q = b.linear(h, w.layer(lm, i, "self_attn.q_proj.weight"))
@@ -53,14 +55,16 @@ def _attention(b: GraphBuilder, lm: LMSpec, w: LMWeights, i: int, h, cos, sin, m
         return b.add(b.mul(x, cos), b.mul(rot, sin))
 
     q, k = rope(q), rope(k)
-    k_new = b.transpose(k, [0, 2, 1, 3])                    # [1,KV,S,D]
-    v_new = b.transpose(v, [0, 2, 1, 3])
-    k_all = b.concat([kc, k_new], axis=2)                   # [1,KV,T,D], T = past + S
-    v_all = b.concat([vc, v_new], axis=2)
+    # new entries in the cache layout [1, S, KV, D] (position-major: the host keeps one
+    # capacity buffer per layer and hands the graph its filled prefix without copying)
+    k_new, v_new = k, v
     # query heads h = kv*G + g  (repeat_kv order) -> [1,KV,G*S,D]
     qg = b.reshape(b.transpose(b.reshape(q, [0, 0, KV, G, D]), [0, 2, 3, 1, 4]), [0, 0, -1, D])
-    scores = b.matmul(qg, b.transpose(k_all, [0, 1, 3, 2]))  # [1,KV,G*S,T]
-    scores = b.mul(scores, b.scalar(D ** -0.5))
+    # Attention over [cache | new] without concatenating K/V (no cache-sized copy per step):
+    # scores for both parts, one softmax over their concatenation, two weighted sums.
+    s_past = b.matmul(qg, b.transpose(kc, [0, 2, 3, 1]))    # [1,KV,G*S,P]
+    s_new = b.matmul(qg, b.transpose(k_new, [0, 2, 3, 1]))  # [1,KV,G*S,S]
+    scores = b.mul(b.concat([s_past, s_new], axis=3), b.scalar(D ** -0.5))
     if b.wdtype != np.float32:
         scores = b.cast(scores, np.float32)
     # rows are g*S + s: the [1,1,S,T] mask repeats once per query head of the group
@@ -68,7 +72,12 @@ def _attention(b: GraphBuilder, lm: LMSpec, w: LMWeights, i: int, h, cos, sin, m
     probs = b.op("Softmax", [scores], axis=-1)
     if b.wdtype != np.float32:
         probs = b.cast(probs, b.wdtype)
-    ctx = b.matmul(probs, v_all)                             # [1,KV,G*S,D]
+    n_past = b.slice(b.op("Shape", [kc]), [1], [2], [0])     # [P], rank 1
+    n_all = b.slice(b.op("Shape", [probs]), [3], [4], [0])   # [P + S]
+    p_past = b.op("Slice", [probs, b.ints([0]), n_past, b.ints([3])])
+    p_new = b.op("Slice", [probs, n_past, n_all, b.ints([3])])
+    ctx = b.add(b.matmul(p_past, b.transpose(vc, [0, 2, 1, 3])),
+                b.matmul(p_new, b.transpose(v_new, [0, 2, 1, 3])))   # [1,KV,G*S,D]
     ctx = b.transpose(b.reshape(ctx, [0, 0, G, -1, D]), [0, 3, 1, 2, 4])  # [1,S,KV,G,D]
     ctx = b.reshape(ctx, [0, 0, Hq * D])
     return b.linear(ctx, w.layer(lm, i, "self_attn.o_proj.weight")), k_new, v_new
@@ -88,9 +97,9 @@ def build_step_graph(spec: ModelSpec, w: LMWeights, which: str, dtype=np.float32
       mask_full [1, 1, seq, past_seq] when the stack has full layers (past_seq = P + S);
       mask_sliding [1, 1, seq, ring_seq] when it has sliding layers (ring_seq = window - 1 + S);
       head int64 [1] (code predictor only: codebook k+1 uses lm_head[k], k in 0..14);
-      k_cache_i, v_cache_i [1, KV, past | window-1, head_dim] in the cache dtype.
+      k_cache_i, v_cache_i [1, past | window-1, KV, head_dim] in the cache dtype (position-major).
     Outputs: logits float32 [1, seq, vocab]; hidden float32 [1, seq, H] (talker only: post-norm);
-      k_new_i, v_new_i [1, KV, seq, head_dim] in the cache dtype (post-norm, post-RoPE keys).
+      k_new_i, v_new_i [1, seq, KV, head_dim] in the cache dtype (post-norm, post-RoPE keys).
     ``dtype`` is the weight/compute/cache dtype (float32 or float16); RMSNorm and softmax run in
     float32 inside float16 graphs.
     """
@@ -111,8 +120,8 @@ def build_step_graph(spec: ModelSpec, w: LMWeights, which: str, dtype=np.float32
     caches = []
     for i, (kind, _) in enumerate(lm.layer_kinds):
         L = "past" if kind == "full" else window - 1
-        kc = b.input(f"k_cache_{i}", cdt, [1, lm.kv_heads, L, lm.head_dim])
-        vc = b.input(f"v_cache_{i}", cdt, [1, lm.kv_heads, L, lm.head_dim])
+        kc = b.input(f"k_cache_{i}", cdt, [1, L, lm.kv_heads, lm.head_dim])
+        vc = b.input(f"v_cache_{i}", cdt, [1, L, lm.kv_heads, lm.head_dim])
         caches.append((kc, vc))
 
     h = b.cast(x, cdt) if cdt != np.float32 else x
@@ -145,8 +154,8 @@ def build_step_graph(spec: ModelSpec, w: LMWeights, which: str, dtype=np.float32
     if which == "talker":
         b.output(b.cast(hn, np.float32) if cdt != np.float32 else hn, "hidden", np.float32, [1, "seq", lm.hidden])
     for i, (kn, vn) in enumerate(news):
-        b.output(kn, f"k_new_{i}", cdt, [1, lm.kv_heads, "seq", lm.head_dim])
-        b.output(vn, f"v_new_{i}", cdt, [1, lm.kv_heads, "seq", lm.head_dim])
+        b.output(kn, f"k_new_{i}", cdt, [1, "seq", lm.kv_heads, lm.head_dim])
+        b.output(vn, f"v_new_{i}", cdt, [1, "seq", lm.kv_heads, lm.head_dim])
     return b.model(doc=f"herald {which} step graph")
 
 
