@@ -64,13 +64,14 @@ class StackCache:
         q = pos[:, None]
         new_vis = pos[None, :] <= q
         if self.full:
-            past_vis = np.ones((n_new, start), bool)
-            f["mask_full"] = _mask(np.concatenate([past_vis, new_vis], axis=1))
+            f["mask_full_past"] = _mask(np.ones((n_new, start), bool))
+            f["mask_full_new"] = _mask(new_vis)
         if self.ring:
             W = self.window
             sp = self.slot_pos[None, :]
             ring_vis = (sp >= 0) & (sp > q - W)
-            f["mask_sliding"] = _mask(np.concatenate([ring_vis, new_vis & (pos[None, :] > q - W)], axis=1))
+            f["mask_sliding_ring"] = _mask(ring_vis)
+            f["mask_sliding_new"] = _mask(new_vis & (pos[None, :] > q - W))
         for i in range(lm.layers):
             k, v = self.full[i] if i in self.full else self.ring[i]
             f[f"k_cache_{i}"], f[f"v_cache_{i}"] = k, v

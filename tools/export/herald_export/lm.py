@@ -37,7 +37,7 @@ def cache_kinds(lm: LMSpec) -> tuple[bool, int | None]:
     return has_full, (windows.pop() if windows else None)
 
 
-def _attention(b: GraphBuilder, lm: LMSpec, w: LMWeights, i: int, h, cos, sin, mask, kc, vc):
+def _attention(b: GraphBuilder, lm: LMSpec, w: LMWeights, i: int, h, cos, sin, masks, kc, vc):
     """One self-attention block; returns (output [1,S,H], k_new [1,S,KV,D], v_new [1,S,KV,D])."""
     D, Hq, KV = lm.head_dim, lm.heads, lm.kv_heads
     G = Hq // KV
@@ -62,13 +62,17 @@ def _attention(b: GraphBuilder, lm: LMSpec, w: LMWeights, i: int, h, cos, sin, m
     qg = b.reshape(b.transpose(b.reshape(q, [0, 0, KV, G, D]), [0, 2, 3, 1, 4]), [0, 0, -1, D])
     # Attention over [cache | new] without concatenating K/V (no cache-sized copy per step):
     # scores for both parts, one softmax over their concatenation, two weighted sums.
+    # Masks come in two blocks, matching the two score blocks, so every dim is a plain symbol
+    # (past, seq) and no runtime has to unify "past_seq" with past + seq. Rows are g*S + s:
+    # each [1,1,S,.] mask repeats once per query head of the group.
+    m_past, m_new = (m if G == 1 else b.concat([m] * G, axis=2) for m in masks)
     s_past = b.matmul(qg, b.transpose(kc, [0, 2, 3, 1]))    # [1,KV,G*S,P]
     s_new = b.matmul(qg, b.transpose(k_new, [0, 2, 3, 1]))  # [1,KV,G*S,S]
-    scores = b.mul(b.concat([s_past, s_new], axis=3), b.scalar(D ** -0.5))
+    scale = b.scalar(D ** -0.5)
+    s_past, s_new = b.mul(s_past, scale), b.mul(s_new, scale)
     if b.wdtype != np.float32:
-        scores = b.cast(scores, np.float32)
-    # rows are g*S + s: the [1,1,S,T] mask repeats once per query head of the group
-    scores = b.add(scores, mask if G == 1 else b.concat([mask] * G, axis=2))
+        s_past, s_new = b.cast(s_past, np.float32), b.cast(s_new, np.float32)
+    scores = b.concat([b.add(s_past, m_past), b.add(s_new, m_new)], axis=3)
     probs = b.op("Softmax", [scores], axis=-1)
     if b.wdtype != np.float32:
         probs = b.cast(probs, b.wdtype)
@@ -94,8 +98,8 @@ def build_step_graph(spec: ModelSpec, w: LMWeights, which: str, dtype=np.float32
 
     Inputs (float32 unless noted; ``seq`` = new positions S, ``past`` = filled full-cache length P):
       x [1, seq, H_talker]; cos, sin [1, seq, head_dim];
-      mask_full [1, 1, seq, past_seq] when the stack has full layers (past_seq = P + S);
-      mask_sliding [1, 1, seq, ring_seq] when it has sliding layers (ring_seq = window - 1 + S);
+      mask_full_past [1, 1, seq, past], mask_full_new [1, 1, seq, seq] when the stack has full layers;
+      mask_sliding_ring [1, 1, seq, window-1], mask_sliding_new [1, 1, seq, seq] when it has sliding layers;
       head int64 [1] (code predictor only: codebook k+1 uses lm_head[k], k in 0..14);
       k_cache_i, v_cache_i [1, past | window-1, KV, head_dim] in the cache dtype (position-major).
     Outputs: logits float32 [1, seq, vocab]; hidden float32 [1, seq, H] (talker only: post-norm);
@@ -113,9 +117,11 @@ def build_step_graph(spec: ModelSpec, w: LMWeights, which: str, dtype=np.float32
     sin_in = b.input("sin", np.float32, [1, "seq", lm.head_dim])
     masks = {}
     if has_full:
-        masks["full"] = b.input("mask_full", np.float32, [1, 1, "seq", "past_seq"])
+        masks["full"] = (b.input("mask_full_past", np.float32, [1, 1, "seq", "past"]),
+                         b.input("mask_full_new", np.float32, [1, 1, "seq", "seq"]))
     if window is not None:
-        masks["sliding"] = b.input("mask_sliding", np.float32, [1, 1, "seq", "ring_seq"])
+        masks["sliding"] = (b.input("mask_sliding_ring", np.float32, [1, 1, "seq", window - 1]),
+                            b.input("mask_sliding_new", np.float32, [1, 1, "seq", "seq"]))
     head = b.input("head", np.int64, [1]) if which == "code_predictor" else None
     caches = []
     for i, (kind, _) in enumerate(lm.layer_kinds):
