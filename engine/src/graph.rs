@@ -1,0 +1,157 @@
+//! Loading a bundle's ONNX graphs into tract: sanitize, validate against the manifest, optimize.
+//!
+//! Each graph is read once (memory-mapped protobuf), passed through [`crate::sanitize`],
+//! checked against the IO the manifest declares (names, order, dtypes, fixed and symbolic
+//! dims), then typed, decluttered and optimized by tract into a runnable plan. Plans are shared
+//! (`Arc`) and reused across utterances; each thread spawns its own state from them.
+
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::Instant;
+
+use tract_onnx::pb;
+use tract_onnx::pb::tensor_shape_proto::dimension::Value as PbDim;
+use tract_onnx::prelude::*;
+
+use crate::manifest::{Dim, GraphInfo, TensorSpec};
+
+/// Why a graph cannot be used. Names the file and the problem.
+#[derive(Debug, thiserror::Error)]
+pub enum GraphError {
+    /// The ONNX file is missing, unreadable or not an ONNX protobuf (e.g. truncated).
+    #[error("{path}: cannot load: {message}")]
+    Load {
+        /// The ONNX file.
+        path: PathBuf,
+        /// What tract or the protobuf decoder reported.
+        message: String,
+    },
+    /// The graph's inputs or outputs differ from what bundle.toml declares.
+    #[error("{path}: {message}")]
+    Mismatch {
+        /// The ONNX file.
+        path: PathBuf,
+        /// Which input/output differs and how.
+        message: String,
+    },
+    /// tract could not type or optimize the graph.
+    #[error("{path}: tract cannot run this graph: {message}")]
+    Tract {
+        /// The ONNX file.
+        path: PathBuf,
+        /// tract's error chain.
+        message: String,
+    },
+}
+
+/// A loaded, optimized graph.
+#[derive(Debug, Clone)]
+pub struct Graph {
+    /// Graph name (key in bundle.toml `[graphs]`).
+    pub name: String,
+    /// The optimized plan, shared by all states.
+    pub plan: Arc<TypedRunnableModel>,
+    /// Input names in plan order.
+    pub inputs: Vec<String>,
+    /// Output names in plan order.
+    pub outputs: Vec<String>,
+    /// Seconds spent reading, sanitizing and optimizing.
+    pub load_seconds: f64,
+}
+
+impl Graph {
+    /// Index of input `name` in the plan's input order.
+    pub fn input(&self, name: &str) -> Option<usize> {
+        self.inputs.iter().position(|n| n == name)
+    }
+
+    /// Index of output `name` in the plan's output order.
+    pub fn output(&self, name: &str) -> Option<usize> {
+        self.outputs.iter().position(|n| n == name)
+    }
+}
+
+fn elem_name(t: i32) -> &'static str {
+    match t {
+        1 => "float32",
+        10 => "float16",
+        7 => "int64",
+        6 => "int32",
+        9 => "bool",
+        _ => "other",
+    }
+}
+
+fn check_io(path: &Path, kind: &str, got: &[&pb::ValueInfoProto], want: &[TensorSpec]) -> Result<(), GraphError> {
+    let mismatch = |message: String| GraphError::Mismatch { path: path.to_owned(), message };
+    let got_names: Vec<&str> = got.iter().map(|v| v.name.as_str()).collect();
+    let want_names: Vec<&str> = want.iter().map(|v| v.name.as_str()).collect();
+    if got_names != want_names {
+        return Err(mismatch(format!("{kind}s are {got_names:?}, bundle.toml declares {want_names:?}")));
+    }
+    for (g, w) in got.iter().zip(want) {
+        let Some(pb::type_proto::Value::TensorType(t)) = g.r#type.as_ref().and_then(|t| t.value.as_ref()) else {
+            return Err(mismatch(format!("{kind} {} has no tensor type", g.name)));
+        };
+        if elem_name(t.elem_type) != w.dtype {
+            return Err(mismatch(format!("{kind} {} is {}, bundle.toml declares {}", g.name, elem_name(t.elem_type), w.dtype)));
+        }
+        let dims: Vec<Dim> = t
+            .shape
+            .as_ref()
+            .map(|s| {
+                s.dim
+                    .iter()
+                    .map(|d| match &d.value {
+                        Some(PbDim::DimValue(v)) => Dim::Fixed(*v as u64),
+                        Some(PbDim::DimParam(p)) => Dim::Symbol(p.clone()),
+                        None => Dim::Symbol(String::new()),
+                    })
+                    .collect()
+            })
+            .unwrap_or_default();
+        if dims != w.shape {
+            return Err(mismatch(format!("{kind} {} has shape {:?}, bundle.toml declares {:?}", g.name, dims, w.shape)));
+        }
+    }
+    Ok(())
+}
+
+/// Load `dir/<info.file>`: decode, sanitize, validate IO against `info`, optimize.
+///
+/// # Errors
+/// [`GraphError::Load`] for a missing or undecodable file, [`GraphError::Mismatch`] when the
+/// graph's IO differs from `info`, [`GraphError::Tract`] when tract cannot optimize it.
+pub fn load(dir: &Path, name: &str, info: &GraphInfo) -> Result<Graph, GraphError> {
+    let t0 = Instant::now();
+    let path = dir.join(&info.file);
+    let onnx = tract_onnx::onnx();
+    let mut proto = onnx
+        .proto_model_for_path(&path)
+        .map_err(|e| GraphError::Load { path: path.clone(), message: format!("{e:#}") })?;
+    let report = crate::sanitize::sanitize(&mut proto);
+    if !report.is_unchanged() {
+        log::info!("{}: sanitized: {report}", path.display());
+    }
+    let graph = proto
+        .graph
+        .as_ref()
+        .ok_or_else(|| GraphError::Load { path: path.clone(), message: "model has no graph".into() })?;
+    let inits: std::collections::HashSet<&str> = graph.initializer.iter().map(|i| i.name.as_str()).collect();
+    let inputs: Vec<&pb::ValueInfoProto> = graph.input.iter().filter(|i| !inits.contains(i.name.as_str())).collect();
+    let outputs: Vec<&pb::ValueInfoProto> = graph.output.iter().collect();
+    check_io(&path, "input", &inputs, &info.inputs)?;
+    check_io(&path, "output", &outputs, &info.outputs)?;
+    let input_names = inputs.iter().map(|v| v.name.clone()).collect();
+    let output_names = outputs.iter().map(|v| v.name.clone()).collect();
+    let tract_err = |e: TractError| GraphError::Tract { path: path.clone(), message: format!("{e:#}") };
+    let dir_str = dir.to_str();
+    let parsed = onnx.parse(&proto, dir_str).map_err(tract_err)?;
+    if !parsed.unresolved_inputs.is_empty() {
+        return Err(GraphError::Tract { path: path.clone(), message: format!("unresolved inputs {:?}", parsed.unresolved_inputs) });
+    }
+    let plan = parsed.model.into_optimized().map_err(tract_err)?.into_runnable().map_err(tract_err)?;
+    let load_seconds = t0.elapsed().as_secs_f64();
+    log::debug!("{name}: loaded {} in {:.2} s", path.display(), load_seconds);
+    Ok(Graph { name: name.to_owned(), plan, inputs: input_names, outputs: output_names, load_seconds })
+}

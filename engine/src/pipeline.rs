@@ -1,0 +1,367 @@
+//! The engine a CLI and a daemon share: load once, then synthesize utterance after utterance.
+//!
+//! Threads and data flow (docs/engine.md): the **decode thread** runs the talker prefill and
+//! the frame loop and pushes frames into a fixed-capacity queue ([`FRAME_QUEUE`] frames); the
+//! **vocoder thread** takes frames, follows the chunk schedule and decodes windows (left context
+//! + chunk), pushing PCM chunks into a second fixed-capacity queue; the **caller's thread**
+//! receives chunks through a callback (the audio sink writes them). Queues are `heapless` SPSC
+//! rings; PCM buffers come from a pool allocated when the engine is built and circulate
+//! between the vocoder and the caller, so the steady state allocates nothing in herald's code.
+//! A full queue blocks its producer (backpressure): a slow sink slows the vocoder, which slows
+//! the decoder; nothing grows. Cancelling (the `cancel` flag or an error from the callback)
+//! stops both threads within one frame.
+
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::thread;
+use std::time::{Duration, Instant};
+
+use heapless::spsc::Queue;
+
+use crate::stats::StepStats;
+use crate::synth::{Bundle, ChunkSchedule, Decoder, EngineError, EngineSettings, Frame, Request, StopReason, Vocoder};
+
+/// Frames the decode → vocoder queue holds (heapless capacity N - 1).
+pub const FRAME_QUEUE: usize = 64;
+/// PCM chunks in flight between the vocoder and the caller.
+pub const PCM_BUFFERS: usize = 3;
+
+/// One chunk of PCM delivered to the caller.
+#[derive(Debug)]
+pub struct PcmChunk<'a> {
+    /// Chunk index within the utterance, from 0.
+    pub index: usize,
+    /// Index of the chunk's first frame.
+    pub first_frame: usize,
+    /// Frames in the chunk.
+    pub frames: usize,
+    /// Mono float32 PCM at the bundle's sample rate, in [-1, 1]; frames × samples_per_frame.
+    pub samples: &'a [f32],
+    /// Seconds from the request to this chunk being ready.
+    pub ready_at: f64,
+}
+
+/// What one utterance produced and how long it took.
+#[derive(Debug, Clone)]
+pub struct Report {
+    /// Frames generated.
+    pub frames: usize,
+    /// Samples delivered (frames × samples_per_frame).
+    pub samples: usize,
+    /// Chunks delivered.
+    pub chunks: usize,
+    /// Why generation stopped.
+    pub stop: StopReason,
+    /// Seconds from the request to the first chunk (time to first audio).
+    pub ttfa: f64,
+    /// Seconds from the request to the last chunk.
+    pub total: f64,
+    /// Ready time (s) and size (frames) of each chunk, in order.
+    pub chunk_times: Vec<(f64, usize)>,
+    /// Per-stage timing counters.
+    pub stats: StepStats,
+}
+
+impl Report {
+    /// Real-time factor: compute seconds per second of audio (below 1 is faster than real time).
+    pub fn rtf(&self, samples_per_second: f64) -> f64 {
+        let audio = self.samples as f64 / samples_per_second;
+        if audio > 0.0 { self.total / audio } else { 0.0 }
+    }
+}
+
+struct Shared {
+    decoder: Decoder,
+    vocoder: Vocoder,
+    schedule: ChunkSchedule,
+    pool: Vec<Vec<f32>>,
+    stats: StepStats,
+    window: Vec<Frame>,
+}
+
+/// A loaded engine. `synthesize` serves one utterance at a time (a second caller waits).
+pub struct Engine {
+    bundle: Arc<Bundle>,
+    ramp: Vec<usize>,
+    shared: Mutex<Shared>,
+}
+
+impl std::fmt::Debug for Engine {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Engine").field("bundle", &self.bundle.dir).field("ramp", &self.ramp).finish_non_exhaustive()
+    }
+}
+
+fn wait(d: Duration) {
+    thread::park_timeout(d);
+}
+
+impl Engine {
+    /// Open `dir` and build the decoder, vocoder, queues and buffers.
+    ///
+    /// # Errors
+    /// Any loading error, naming the file at fault.
+    pub fn load(dir: &std::path::Path, settings: &EngineSettings) -> Result<Self, EngineError> {
+        let bundle = Arc::new(Bundle::open(dir)?);
+        Self::with_bundle(bundle, settings)
+    }
+
+    /// Build an engine over an already opened bundle.
+    ///
+    /// # Errors
+    /// [`EngineError::Config`] for an unusable ramp or context; step-contract errors.
+    pub fn with_bundle(bundle: Arc<Bundle>, settings: &EngineSettings) -> Result<Self, EngineError> {
+        let m = &bundle.manifest;
+        let ramp: Vec<usize> = settings.ramp.clone().unwrap_or_else(|| m.vocoder.ramp.iter().map(|&r| r as usize).collect());
+        let left_context = settings.left_context.unwrap_or(m.vocoder.left_context_frames as usize);
+        let schedule = ChunkSchedule::new(&ramp)?;
+        let max_chunk = schedule.max_chunk();
+        let spf = m.audio.samples_per_frame as usize;
+        let decoder = Decoder::new(Arc::clone(&bundle), settings)?;
+        let vocoder = Vocoder::new(&bundle, left_context, max_chunk)?;
+        let pool = (0..PCM_BUFFERS).map(|_| vec![0.0f32; max_chunk * spf]).collect();
+        let frames = settings.kv_capacity;
+        let shared = Shared {
+            decoder,
+            vocoder,
+            schedule,
+            pool,
+            stats: StepStats::new(frames),
+            window: Vec::with_capacity(left_context + max_chunk),
+        };
+        Ok(Engine { bundle, ramp, shared: Mutex::new(shared) })
+    }
+
+    /// The loaded bundle.
+    pub fn bundle(&self) -> &Bundle {
+        &self.bundle
+    }
+
+    fn lock(&self) -> MutexGuard<'_, Shared> {
+        // A panic in a worker would poison the lock; the state is reset by every start().
+        self.shared.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Synthesize `req`, calling `on_chunk` for each PCM chunk in order, on this thread.
+    ///
+    /// Returns after the last chunk with the utterance's report. `cancel` (checked every frame
+    /// and every chunk) or an error returned by `on_chunk` stops both worker threads within one
+    /// frame; the engine stays usable for the next request.
+    ///
+    /// # Errors
+    /// The request's errors ([`EngineError::Prompt`] for bad text or voice, before any work),
+    /// errors of the stages, the callback's error as [`EngineError::Cancelled`] after logging
+    /// it, or `Cancelled`.
+    pub fn synthesize<F>(&self, req: &Request, cancel: &AtomicBool, mut on_chunk: F) -> Result<Report, EngineError>
+    where
+        F: FnMut(&PcmChunk<'_>) -> Result<(), String>,
+    {
+        let t0 = Instant::now();
+        let mut guard = self.lock();
+        let sh = &mut *guard;
+        sh.stats.clear();
+        sh.schedule = ChunkSchedule::new(&self.ramp)?;
+        let spf = self.bundle.manifest.audio.samples_per_frame as usize;
+        // Bad input fails here, synchronously, before any thread starts.
+        let tp = Instant::now();
+        sh.decoder.start(req)?;
+        sh.stats.prefill.record(tp.elapsed());
+
+        let stop = AtomicBool::new(false);
+        let mut frames_q: Queue<Frame, FRAME_QUEUE> = Queue::new();
+        let mut pcm_q: Queue<(Vec<f32>, usize, usize, usize), 4> = Queue::new();
+        let mut free_q: Queue<Vec<f32>, 4> = Queue::new();
+        for b in sh.pool.drain(..) {
+            let _ = free_q.enqueue(b);
+        }
+        let (mut f_tx, mut f_rx) = frames_q.split();
+        let (mut p_tx, mut p_rx) = pcm_q.split();
+        let (mut r_tx, mut r_rx) = free_q.split();
+        let Shared { decoder, vocoder, schedule, stats, window, pool } = sh;
+        let decoder = &mut *decoder;
+        let StepStats { talker, predictor, sampling, vocoder: voc_stat, frame_queue_wait, vocoder_wait, .. } = stats;
+        let decode_done = AtomicBool::new(false);
+        let me = thread::current();
+        // one entry per chunk; reserved per utterance, not per frame
+        let mut report_chunks: Vec<(f64, usize)> = Vec::with_capacity(decoder.frame_cap() / self.ramp[0].max(1) + 8);
+        let result: Result<(usize, usize), EngineError> = thread::scope(|s| {
+            // reborrows, so the workers borrow what the engine keeps between utterances
+            let decoder = &mut *decoder;
+            let r_rx = &mut r_rx;
+            let stop = &stop;
+            let decode_done = &decode_done;
+            let cancelled = || cancel.load(Ordering::Relaxed) || stop.load(Ordering::Relaxed);
+            // ---- decode thread
+            let dec = s.spawn(move || -> Result<usize, EngineError> {
+                let mut n = 0;
+                let result = (|| {
+                    loop {
+                        if cancelled() {
+                            return Err(EngineError::Cancelled);
+                        }
+                        let t = Instant::now();
+                        let Some(frame) = decoder.next_frame()? else { break };
+                        let _ = t;
+                        let ft = decoder.last_timing();
+                        predictor.record(ft.predictor);
+                        sampling.record(ft.sampling);
+                        if let Some(tt) = ft.talker {
+                            talker.record(tt);
+                        }
+                        let tw = Instant::now();
+                        let mut item = frame;
+                        loop {
+                            match f_tx.enqueue(item) {
+                                Ok(()) => break,
+                                Err(back) => {
+                                    item = back;
+                                    if cancelled() {
+                                        return Err(EngineError::Cancelled);
+                                    }
+                                    wait(Duration::from_millis(1));
+                                }
+                            }
+                        }
+                        frame_queue_wait.record(tw.elapsed());
+                        n += 1;
+                    }
+                    Ok(n)
+                })();
+                decode_done.store(true, Ordering::Release);
+                if result.is_err() {
+                    stop.store(true, Ordering::Relaxed);
+                }
+                result
+            });
+            // ---- vocoder thread
+            let voc = s.spawn(move || -> Result<usize, EngineError> {
+                let result = (|| {
+                    let mut done_frames = 0usize;
+                    let mut pending = 0usize;
+                    window.clear();
+                    loop {
+                        if cancelled() {
+                            return Err(EngineError::Cancelled);
+                        }
+                        let tw = Instant::now();
+                        while let Some(f) = f_rx.dequeue() {
+                            // keep at most left_context + max_chunk frames: context then pending
+                            if window.len() == window.capacity() {
+                                window.remove(0);
+                            }
+                            window.push(f);
+                            pending += 1;
+                            if pending >= schedule.due() {
+                                break;
+                            }
+                        }
+                        let finished = decode_done.load(Ordering::Acquire) && f_rx.len() == 0;
+                        let Some(n) = schedule.take(pending, finished) else {
+                            if finished {
+                                return Ok(done_frames);
+                            }
+                            wait(Duration::from_millis(1));
+                            continue;
+                        };
+                        vocoder_wait.record(tw.elapsed());
+                        let mut buf = loop {
+                            if let Some(b) = r_rx.dequeue() {
+                                break b;
+                            }
+                            if cancelled() {
+                                return Err(EngineError::Cancelled);
+                            }
+                            wait(Duration::from_millis(1));
+                        };
+                        let spf_n = n * spf;
+                        let w0 = window.len() - pending;
+                        let ctx_start = w0.saturating_sub(vocoder.left_context);
+                        let tv = Instant::now();
+                        let r = vocoder.decode(&window[ctx_start..w0 + n], n, &mut buf[..spf_n]);
+                        voc_stat.record(tv.elapsed());
+                        r?;
+                        pending -= n;
+                        let mut msg = (buf, spf_n, done_frames, n);
+                        loop {
+                            match p_tx.enqueue(msg) {
+                                Ok(()) => break,
+                                Err(back) => {
+                                    msg = back;
+                                    if cancelled() {
+                                        return Err(EngineError::Cancelled);
+                                    }
+                                    wait(Duration::from_millis(1));
+                                }
+                            }
+                        }
+                        me.unpark();
+                        done_frames += n;
+                    }
+                })();
+                if result.is_err() {
+                    stop.store(true, Ordering::Relaxed);
+                }
+                me.unpark();
+                result
+            });
+            // ---- caller: deliver chunks
+            let mut index = 0;
+            let mut delivered = 0usize;
+            let mut callback_error = None;
+            loop {
+                if let Some((buf, len, first, n)) = p_rx.dequeue() {
+                    let ready_at = t0.elapsed().as_secs_f64();
+                    if callback_error.is_none() && !cancel.load(Ordering::Relaxed) {
+                        let chunk = PcmChunk { index, first_frame: first, frames: n, samples: &buf[..len], ready_at };
+                        if let Err(e) = on_chunk(&chunk) {
+                            log::warn!("audio consumer failed: {e}; cancelling the utterance");
+                            callback_error = Some(e);
+                            stop.store(true, Ordering::Relaxed);
+                        }
+                    }
+                    if report_chunks.len() < report_chunks.capacity() {
+                        report_chunks.push((ready_at, n));
+                    }
+                    delivered += len;
+                    index += 1;
+                    let _ = r_tx.enqueue(buf);
+                    continue;
+                }
+                if voc.is_finished() && p_rx.len() == 0 {
+                    break;
+                }
+                wait(Duration::from_millis(2));
+            }
+            let dec_r = dec.join().unwrap_or(Err(EngineError::Config("decode thread panicked".into())));
+            let voc_r = voc.join().unwrap_or(Err(EngineError::Config("vocoder thread panicked".into())));
+            if callback_error.is_some() || cancel.load(Ordering::Relaxed) {
+                return Err(EngineError::Cancelled);
+            }
+            // report the stage that failed first, not the other stage's resulting cancellation
+            let (frames, vf) = match (dec_r, voc_r) {
+                (Ok(f), Ok(v)) => (f, v),
+                (Err(e), Ok(_)) | (Ok(_), Err(e)) => return Err(e),
+                (Err(EngineError::Cancelled), Err(e)) | (Err(e), Err(_)) => return Err(e),
+            };
+            if vf != frames {
+                return Err(EngineError::Vocoder(format!("vocoded {vf} of {frames} frames")));
+            }
+            Ok((frames, delivered))
+        });
+        // return every PCM buffer to the pool
+        while let Some(b) = r_rx.dequeue() {
+            pool.push(b);
+        }
+        while let Some((b, ..)) = p_rx.dequeue() {
+            pool.push(b);
+        }
+        let (frames, samples) = result?;
+        if samples != frames * spf {
+            return Err(EngineError::Vocoder(format!("delivered {samples} samples for {frames} frames")));
+        }
+        let stop = decoder.stop_reason().unwrap_or(StopReason::Eos);
+        let ttfa = report_chunks.first().map_or(0.0, |c| c.0);
+        let total = report_chunks.last().map_or(0.0, |c| c.0);
+        Ok(Report { frames, samples, chunks: report_chunks.len(), stop, ttfa, total, chunk_times: report_chunks, stats: guard.stats.clone() })
+    }
+}

@@ -1,0 +1,206 @@
+//! The Rust engine against the reference decoder (tools/export/reference.py on onnxruntime):
+//! identical codes at every frame and PCM within 1e-4, on all three tiny bundles, for a set of
+//! texts in both prompt modes, greedy and seeded; and the threaded pipeline against the
+//! synchronous path.
+
+mod common;
+
+use std::collections::HashMap;
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use std::sync::Arc;
+use std::sync::atomic::AtomicBool;
+
+use engine::prompt::PromptMode;
+use engine::synth::{self, Bundle, ChunkSchedule, Decoder, Vocoder};
+use engine::{Engine, EngineSettings, Request};
+
+/// Minimal .npy reader for the C-ordered little-endian arrays the reference writes.
+fn read_npy(path: &Path) -> (String, Vec<usize>, Vec<u8>) {
+    let data = std::fs::read(path).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
+    assert_eq!(&data[..6], b"\x93NUMPY");
+    let (hlen, start) = if data[6] == 1 {
+        (u16::from_le_bytes([data[8], data[9]]) as usize, 10)
+    } else {
+        (u32::from_le_bytes([data[8], data[9], data[10], data[11]]) as usize, 12)
+    };
+    let header = std::str::from_utf8(&data[start..start + hlen]).unwrap();
+    let descr = header.split("'descr': '").nth(1).unwrap().split('\'').next().unwrap().to_string();
+    assert!(header.contains("'fortran_order': False"));
+    let shape_s = header.split("'shape': (").nth(1).unwrap().split(')').next().unwrap();
+    let shape = shape_s.split(',').filter(|s| !s.trim().is_empty()).map(|s| s.trim().parse().unwrap()).collect();
+    (descr, shape, data[start + hlen..].to_vec())
+}
+
+fn npy_i64(path: &Path) -> (Vec<usize>, Vec<i64>) {
+    let (d, shape, bytes) = read_npy(path);
+    assert_eq!(d, "<i8");
+    (shape, bytes.chunks_exact(8).map(|c| i64::from_le_bytes(c.try_into().unwrap())).collect())
+}
+
+fn npy_f32(path: &Path) -> Vec<f32> {
+    let (d, _, bytes) = read_npy(path);
+    assert_eq!(d, "<f4");
+    bytes.chunks_exact(4).map(|c| f32::from_le_bytes(c.try_into().unwrap())).collect()
+}
+
+#[derive(Clone)]
+struct Case {
+    id: String,
+    preset: &'static str,
+    text: String,
+    language: Option<&'static str>,
+    speaker: Option<&'static str>,
+    mode: PromptMode,
+    seed: Option<u64>,
+    max_frames: usize,
+    force_eos_at: Option<usize>,
+    ramp: Option<Vec<usize>>,
+    left_context: Option<usize>,
+}
+
+fn cases() -> Vec<Case> {
+    let long: String = "The quick brown fox jumps over the lazy dog; 敏捷的狐狸跳过了懒狗。 ".chars().cycle().take(2000).collect();
+    let texts: Vec<(&str, String, Option<&'static str>, Option<&'static str>, PromptMode)> = vec![
+        ("en", "Hello from herald, the speaking appliance.".into(), Some("english"), Some("serena"), PromptMode::Streaming),
+        ("zh", "你好，世界。今天天气很好。".into(), Some("chinese"), Some("eric"), PromptMode::NonStreaming),
+        ("mixed", "Mixed 文字 and かな, ok?".into(), None, None, PromptMode::Streaming),
+        ("digits", "Call 555-0123 at 10:45 on 2026-11-30.".into(), Some("english"), None, PromptMode::NonStreaming),
+        ("punct", "?!... —".into(), None, Some("vivian"), PromptMode::Streaming),
+        ("one", "a".into(), None, None, PromptMode::NonStreaming),
+        ("long", long, Some("english"), None, PromptMode::Streaming),
+        ("long-ns", "Tell me a story about a lighthouse keeper. ".repeat(12), None, None, PromptMode::NonStreaming),
+    ];
+    let mut v = Vec::new();
+    for preset in common::PRESETS {
+        for (name, text, language, speaker, mode) in &texts {
+            v.push(Case {
+                id: format!("{preset}-{name}"),
+                preset,
+                text: text.clone(),
+                language: *language,
+                speaker: *speaker,
+                mode: *mode,
+                seed: None,
+                max_frames: 20,
+                force_eos_at: None,
+                ramp: None,
+                left_context: None,
+            });
+        }
+        let base = v.last().unwrap().clone();
+        v.push(Case { id: format!("{preset}-seeded"), text: "Seeded sampling, same draws.".into(), seed: Some(1234), language: Some("english"), ..base.clone() });
+        v.push(Case { id: format!("{preset}-eos3"), text: "Stop early.".into(), force_eos_at: Some(3), ..base.clone() });
+        // short context: windows cut history, chunk edges inside the transformer window
+        v.push(Case { id: format!("{preset}-ctx5"), text: "Short context windows.".into(), max_frames: 17, ramp: Some(vec![1, 3]), left_context: Some(5), ..base });
+    }
+    v
+}
+
+fn python() -> PathBuf {
+    let p = Path::new(env!("CARGO_MANIFEST_DIR")).join("../.venv/bin/python");
+    assert!(p.exists(), "{} is missing: run tools/export/setup.sh (scripts/test does)", p.display());
+    p
+}
+
+/// Run the reference over every case once; returns the output directory.
+fn reference_outputs(cases: &[Case]) -> PathBuf {
+    let out = PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join("parity");
+    let _ = std::fs::remove_dir_all(&out);
+    std::fs::create_dir_all(&out).unwrap();
+    let json: Vec<serde_json::Value> = cases
+        .iter()
+        .map(|c| {
+            serde_json::json!({
+                "id": c.id, "bundle": common::bundle(c.preset), "text": c.text, "language": c.language,
+                "speaker": c.speaker, "mode": c.mode.as_str(), "seed": c.seed, "max_frames": c.max_frames,
+                "force_eos_at": c.force_eos_at, "ramp": c.ramp, "left_context": c.left_context,
+            })
+        })
+        .collect();
+    let spec = out.join("cases.json");
+    std::fs::write(&spec, serde_json::to_string(&json).unwrap()).unwrap();
+    let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/py/reference_cases.py");
+    let st = Command::new(python()).arg(&script).arg(&spec).arg(&out).status().expect("run the reference");
+    assert!(st.success(), "reference_cases.py failed");
+    out
+}
+
+fn request(c: &Case) -> Request {
+    Request {
+        text: c.text.clone(),
+        language: c.language.map(str::to_owned),
+        speaker: c.speaker.map(str::to_owned),
+        mode: c.mode,
+        seed: c.seed,
+        max_frames: Some(c.max_frames),
+        force_eos_at: c.force_eos_at,
+    }
+}
+
+#[test]
+fn codes_and_pcm_match_the_reference() {
+    let cases = cases();
+    let out = reference_outputs(&cases);
+    let mut bundles: HashMap<&str, Arc<Bundle>> = HashMap::new();
+    let mut worst = 0f32;
+    for c in &cases {
+        let b = bundles.entry(c.preset).or_insert_with(|| Arc::new(Bundle::open(&common::bundle(c.preset)).unwrap())).clone();
+        let meta: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(out.join(format!("{}.json", c.id))).unwrap()).unwrap();
+        assert!(meta.get("error").is_none(), "{}: reference rejected the case: {meta}", c.id);
+        let (shape, want) = npy_i64(&out.join(format!("{}.codes.npy", c.id)));
+        let mut dec = Decoder::new(b.clone(), &EngineSettings::default()).unwrap();
+        let (frames, stop) = synth::generate_frames(&mut dec, &request(c)).unwrap_or_else(|e| panic!("{}: {e}", c.id));
+        assert_eq!(frames.len(), shape[0], "{}: frame count", c.id);
+        for (f, frame) in frames.iter().enumerate() {
+            let row: Vec<i64> = frame.iter().map(|&x| i64::from(x)).collect();
+            assert_eq!(row[..], want[f * 16..(f + 1) * 16], "{}: frame {f} differs", c.id);
+        }
+        let expect_stop = meta["stop"].as_str().unwrap();
+        assert_eq!(format!("{stop:?}").to_lowercase(), expect_stop, "{}: stop reason", c.id);
+        let ramp = c.ramp.clone().unwrap_or_else(|| b.manifest.vocoder.ramp.iter().map(|&r| r as usize).collect());
+        let ctx = c.left_context.unwrap_or(b.manifest.vocoder.left_context_frames as usize);
+        let mut sched = ChunkSchedule::new(&ramp).unwrap();
+        let mut voc = Vocoder::new(&b, ctx, sched.max_chunk()).unwrap();
+        let pcm = synth::vocode_all(&mut voc, &frames, &mut sched).unwrap();
+        let ref_pcm = npy_f32(&out.join(format!("{}.wav.npy", c.id)));
+        assert_eq!(pcm.len(), ref_pcm.len(), "{}: sample count", c.id);
+        assert_eq!(pcm.len(), frames.len() * 1920);
+        let d = pcm.iter().zip(&ref_pcm).map(|(a, b)| (a - b).abs()).fold(0f32, f32::max);
+        worst = worst.max(d);
+        assert!(d <= 1e-4, "{}: PCM max abs diff {d}", c.id);
+    }
+    println!("{} cases, worst PCM max abs diff {worst:e}", cases.len());
+}
+
+#[test]
+fn threaded_pipeline_equals_the_synchronous_path() {
+    for preset in common::PRESETS {
+        let b = Arc::new(Bundle::open(&common::bundle(preset)).unwrap());
+        let engine = Engine::with_bundle(b.clone(), &EngineSettings::default()).unwrap();
+        for (text, seed) in [("One utterance after another.", None), ("二つ目の発話です。", Some(7u64))] {
+            let req = Request { seed, max_frames: Some(37), ..Request::new(text) };
+            let mut got = Vec::new();
+            let mut sizes = Vec::new();
+            let cancel = AtomicBool::new(false);
+            let rep = engine
+                .synthesize(&req, &cancel, |c| {
+                    assert_eq!(c.first_frame * 1920, got.len(), "chunks arrive in order");
+                    got.extend_from_slice(c.samples);
+                    sizes.push(c.frames);
+                    Ok(())
+                })
+                .unwrap();
+            assert_eq!(sizes, vec![2, 4, 8, 16, 7], "ramp [2,4,8,16,25], flush of the rest");
+            assert_eq!(rep.frames, 37);
+            assert_eq!(rep.samples, 37 * 1920);
+            let mut dec = Decoder::new(b.clone(), &EngineSettings::default()).unwrap();
+            let (frames, _) = synth::generate_frames(&mut dec, &req).unwrap();
+            let mut sched = ChunkSchedule::new(&[2, 4, 8, 16, 25]).unwrap();
+            let mut voc = Vocoder::new(&b, 72, 25).unwrap();
+            let want = synth::vocode_all(&mut voc, &frames, &mut sched).unwrap();
+            assert_eq!(got, want, "{preset}: threaded PCM differs from the synchronous path");
+            assert!(rep.stats.talker.count() >= 36 && rep.stats.vocoder.count() == 5);
+        }
+    }
+}
