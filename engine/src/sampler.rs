@@ -305,7 +305,7 @@ impl Sampler {
     ///
     /// # Errors
     /// [`SamplerError::LogitsLength`], [`SamplerError::NonFiniteLogit`] (NaN or +inf in the
-    /// input), [`SamplerError::HistoryId`]. On error `logits` may be partly processed.
+    /// input), [`SamplerError::HistoryId`]; all checked before `logits` is touched.
     pub fn process_c0(&mut self, logits: &mut [f32], history: &[u32], sampling: bool) -> Result<(), SamplerError> {
         let t = &self.talker;
         check_logits(Stage::Talker, logits, t.vocab)?;

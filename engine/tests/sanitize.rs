@@ -506,3 +506,99 @@ fn unwritable_output_is_a_write_error_naming_it() {
 fn dynamic_shapes() {
     check_case("dynamic_shapes");
 }
+
+/// A model whose one initializer lives in the external file `location`.
+fn external_model(location: &str) -> Vec<u8> {
+    let entry = |k: &str, v: &str| pb::StringStringEntryProto {
+        key: k.to_string(),
+        value: v.to_string(),
+    };
+    let w = pb::TensorProto {
+        name: "w".to_string(),
+        dims: vec![2],
+        data_type: pb::tensor_proto::DataType::Float as i32,
+        data_location: Some(pb::tensor_proto::DataLocation::External as i32),
+        external_data: vec![
+            entry("location", location),
+            entry("offset", "0"),
+            entry("length", "8"),
+        ],
+        ..Default::default()
+    };
+    let graph = pb::GraphProto {
+        name: "g".to_string(),
+        node: vec![pb::NodeProto {
+            op_type: "Identity".to_string(),
+            input: vec!["w".to_string()],
+            output: vec!["y".to_string()],
+            ..Default::default()
+        }],
+        initializer: vec![w],
+        output: vec![pb::ValueInfoProto {
+            name: "y".to_string(),
+            ..Default::default()
+        }],
+        ..Default::default()
+    };
+    let model = pb::ModelProto {
+        ir_version: 8,
+        opset_import: vec![pb::OperatorSetIdProto {
+            domain: String::new(),
+            version: 17,
+        }],
+        graph: Some(graph),
+        ..Default::default()
+    };
+    model.encode_to_vec()
+}
+
+#[test]
+fn external_data_in_a_subdirectory_is_copied_there() {
+    let root = bad_dir().join("ext-nested");
+    fs::create_dir_all(root.join("in/sub")).expect("mkdir");
+    fs::create_dir_all(root.join("out")).expect("mkdir");
+    fs::write(root.join("in/m.onnx"), external_model("sub/w.bin")).expect("write");
+    fs::write(root.join("in/sub/w.bin"), 1.5f32.to_le_bytes().repeat(2)).expect("write");
+    sanitize_file(&root.join("in/m.onnx"), &root.join("out/m.onnx")).expect("sanitize");
+    assert_eq!(
+        fs::read(root.join("out/sub/w.bin")).expect("copied"),
+        fs::read(root.join("in/sub/w.bin")).expect("original")
+    );
+    let model = load(&root.join("out/m.onnx")).expect("tract loads the copy");
+    let y = model.run(tvec![]).expect("run");
+    assert_eq!(
+        y[0].to_plain_array_view::<f32>()
+            .expect("f32")
+            .iter()
+            .copied()
+            .collect::<Vec<_>>(),
+        [1.5, 1.5]
+    );
+}
+
+#[test]
+fn external_data_outside_the_model_directory_or_missing_is_refused() {
+    let root = bad_dir().join("ext-bad");
+    fs::create_dir_all(root.join("in")).expect("mkdir");
+    fs::create_dir_all(root.join("out")).expect("mkdir");
+    fs::write(root.join("w.bin"), [0u8; 8]).expect("write");
+    for (location, what) in [("../w.bin", "escaping"), ("/etc/hostname", "absolute")] {
+        let input = root.join("in/m.onnx");
+        fs::write(&input, external_model(location)).expect("write");
+        let err = sanitize_file(&input, &root.join("out/m.onnx")).expect_err(what);
+        assert!(
+            matches!(&err, SanitizeError::ExternalLocation { location: l, .. } if l == location),
+            "{what}: {err:?}"
+        );
+        assert!(err.to_string().contains(location), "{err}");
+    }
+    let input = root.join("in/missing.onnx");
+    fs::write(&input, external_model("nowhere.bin")).expect("write");
+    let err = sanitize_file(&input, &root.join("out/m.onnx")).expect_err("missing");
+    assert!(
+        matches!(&err, SanitizeError::ExternalRead { .. }),
+        "{err:?}"
+    );
+    assert!(err.to_string().contains("nowhere.bin"), "{err}");
+    assert!(!root.join("out/m.onnx").exists());
+}

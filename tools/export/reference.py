@@ -263,6 +263,20 @@ def top_k_filter(logits: np.ndarray, k: int) -> np.ndarray:
     return out
 
 
+#: Longest text one request may carry, in characters (shared with engine::prompt::MAX_TEXT_CHARS).
+MAX_TEXT_CHARS = 20_000
+
+
+def clean_text(text: str) -> str:
+    """Input cleaning shared with the Rust engine (``engine::prompt::clean_text``).
+
+    ``\r\n`` and a lone ``\r`` become ``\n``; every other C0 control except ``\t`` and ``\n``,
+    DEL and the C1 controls (U+0080-U+009F) become a space. Everything else is kept.
+    """
+    text = text.replace("\r\n", "\n").replace("\r", "\n")
+    return "".join(" " if (ord(c) < 0x20 and c not in "\t\n") or 0x7F <= ord(c) <= 0x9F else c for c in text)
+
+
 def top_p_filter(logits: np.ndarray, top_p: float) -> np.ndarray:
     """HF TopPLogitsWarper (nucleus): keep ids while the mass before them is < top_p.
 
@@ -270,6 +284,7 @@ def top_p_filter(logits: np.ndarray, top_p: float) -> np.ndarray:
     ties by ascending id. top_p >= 1: no filtering (HF does not add the warper then).
     """
     out = np.array(logits, dtype=np.float32, copy=True)
+    top_p = float(np.float32(top_p))  # parameters are float32, as on the Rust side
     if top_p >= 1.0:
         return out
     kept = [int(i) for i in np.flatnonzero(np.isfinite(out))]
@@ -446,6 +461,11 @@ class Reference:
         """
         if not text:
             raise ValueError("text is empty")
+        if len(text) > MAX_TEXT_CHARS:
+            raise ValueError(f"text is {len(text)} characters long; the limit is {MAX_TEXT_CHARS} characters (split it)")
+        text = clean_text(text)
+        if not text.strip():
+            raise ValueError("text has nothing to say (only whitespace or control characters)")
         wrapped = f"<|im_start|>assistant\n{text}<|im_end|>\n<|im_start|>assistant\n"
         ids = self.tokenizer.encode(wrapped, add_special_tokens=False).ids
         t, nl, asst = self.text_ids, self.newline_id, self.assistant_id

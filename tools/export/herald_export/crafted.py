@@ -18,12 +18,16 @@ pattern, the way a torch export looks, and ``all_patterns`` carries all of them 
   (``save_as_external_data=True, location="weights.bin", size_threshold=0``), plus a NaN guard;
 - ``all_patterns``: all of the above, with an ``If`` whose branches hold guards and scalar axes
   (one referring to an outer-scope initializer), and a guard whose output is a graph output.
+- ``dynamic_shapes``: the patterns on symbolic dims (``batch``), with a run-time shape for one
+  ``Reshape(allowzero=1)`` (kept: its values are unknown) and symbolic ``value_info``.
 
 For every graph ``NAME.onnx`` a ``NAME.json`` records the inputs and the outputs computed by
 onnxruntime **on the original, unsanitized graph**, and the rewrite counts a sanitizer should
 report. ``index.json`` lists the cases.
 
-Run: ``python -m herald_export.crafted OUT_DIR`` (cwd ``tools/export``).
+Run: ``python -m herald_export.crafted OUT_DIR`` (cwd ``tools/export``);
+``python -m herald_export.crafted --check MODEL CASE_JSON`` checks a sanitized model against its
+case (full ``onnx.checker``, onnxruntime outputs).
 """
 
 from __future__ import annotations
@@ -266,6 +270,49 @@ def all_patterns(rng: np.random.Generator) -> tuple[onnx.ModelProto, dict, dict]
     return _model(graph), inputs, expect
 
 
+def dynamic_shapes(rng: np.random.Generator) -> tuple[onnx.ModelProto, dict, dict]:
+    """The patterns on symbolic dimensions (torch's ``dynamic_axes``), with a symbolic
+    ``value_info`` naming its dims differently from the inputs (``unk__6`` style)."""
+    w = rng.standard_normal((4, 5)).astype(np.float32)
+    nodes = [
+        helper.make_node("Reshape", ["x", "shape0"], ["r"], name="/Reshape", allowzero=1),
+        helper.make_node("Softmax", ["r"], ["s"], name="/Softmax", axis=-1),
+        helper.make_node("IsNaN", ["s"], ["s_nan"], name="/IsNaN"),
+        _zero("zero0"),
+        helper.make_node("Where", ["s_nan", "zero0", "s"], ["g"], name="/Where"),
+        helper.make_node("Unsqueeze", ["g", "ax"], ["u"], name="/Unsqueeze"),
+        helper.make_node("MatMul", ["u", "w"], ["m"], name="/MatMul"),
+        helper.make_node("Shape", ["m"], ["m_shape"], name="/Shape"),
+        helper.make_node("Gather", ["m_shape", "ax1"], ["rows"], name="/Gather", axis=0),
+        helper.make_node("Unsqueeze", ["rows", "ax"], ["rows1"], name="/Unsqueeze_1"),
+        _const("minus1", np.array([-1], dtype=np.int64), name="/Constant"),
+        helper.make_node("Concat", ["rows1", "minus1"], ["shape1"], name="/Concat", axis=0),
+        helper.make_node("Reshape", ["m", "shape1"], ["y"], name="/Reshape_1", allowzero=1),
+    ]
+    graph = helper.make_graph(
+        nodes,
+        "dynamic_shapes",
+        [_vi("x", ["batch", 3, 4])],
+        [_vi("y", ["rows", 5])],
+        initializer=[
+            _init("shape0", np.array([-1, 4], dtype=np.int64)),
+            _scalar_i64("ax", 0),
+            _scalar_i64("ax1", 1),
+            _init("w", w),
+        ],
+        value_info=[_vi("r", ["unk__6", 4]), _vi("m", [1, "unk__7", 5])],
+    )
+    inputs = {"x": rng.standard_normal((2, 3, 4)).astype(np.float32)}
+    expect = {
+        "nan_guards_removed": 1,
+        "allowzero_cleared": 1,
+        "allowzero_kept": 1,
+        "scalar_axes_fixed": 2,
+        "value_info_dropped": 2,
+    }
+    return _model(graph), inputs, expect
+
+
 #: Case name -> builder. Each builder returns (model, inputs, expected rewrite counts).
 CASES: dict[str, Callable[[np.random.Generator], tuple[onnx.ModelProto, dict, dict]]] = {
     "nan_guard": nan_guard,
@@ -274,6 +321,7 @@ CASES: dict[str, Callable[[np.random.Generator], tuple[onnx.ModelProto, dict, di
     "stale_value_info": stale_value_info,
     "external_data": external_data,
     "all_patterns": all_patterns,
+    "dynamic_shapes": dynamic_shapes,
 }
 
 #: Every count the sanitizer reports; the ones a case does not name are expected to be 0.
@@ -329,6 +377,29 @@ def write_case(out_dir: Path, name: str, seed: int = 0) -> Path:
     return json_path
 
 
+def check(model_path: str | Path, case_json: str | Path, tolerance: float = 1e-5) -> float:
+    """Check a (sanitized) model against a case: the full ``onnx.checker`` passes and
+    onnxruntime reproduces the recorded outputs. Returns the largest difference."""
+    import onnxruntime as ort
+
+    case = json.loads(Path(case_json).read_text())
+    onnx.checker.check_model(onnx.load(str(model_path)), full_check=True)
+    options = ort.SessionOptions()
+    options.log_severity_level = 3  # no warnings about unused initializers and the like
+    session = ort.InferenceSession(str(model_path), options, providers=["CPUExecutionProvider"])
+    feeds = {k: np.array(v["data"], dtype=np.float32).reshape(v["shape"]) for k, v in case["inputs"].items()}
+    worst = 0.0
+    for got, want in zip(session.run(None, feeds), case["outputs"]):
+        want_arr = np.array(want["data"], dtype=np.float32).reshape(want["shape"])
+        if got.shape != want_arr.shape:
+            raise AssertionError(f"{want['name']}: shape {got.shape}, recorded {want_arr.shape}")
+        if got.size:
+            worst = max(worst, float(np.max(np.abs(got - want_arr))))
+    if worst > tolerance:
+        raise AssertionError(f"max |diff| {worst} > {tolerance}")
+    return worst
+
+
 def main(out_dir: str | Path) -> list[Path]:
     """Write every crafted case into ``out_dir`` (created if needed) plus ``index.json``."""
     out = Path(out_dir)
@@ -339,8 +410,11 @@ def main(out_dir: str | Path) -> list[Path]:
 
 
 if __name__ == "__main__":
-    if len(sys.argv) != 2:
-        print("usage: python -m herald_export.crafted OUT_DIR", file=sys.stderr)
+    if len(sys.argv) == 4 and sys.argv[1] == "--check":
+        print(f"{sys.argv[2]}: onnx.checker ok, onnxruntime max |diff| {check(sys.argv[2], sys.argv[3]):e}")
+    elif len(sys.argv) == 2:
+        for p in main(sys.argv[1]):
+            print(p)
+    else:
+        print("usage: python -m herald_export.crafted OUT_DIR | --check MODEL CASE_JSON", file=sys.stderr)
         sys.exit(2)
-    for p in main(sys.argv[1]):
-        print(p)

@@ -145,8 +145,14 @@ def test_prompt_errors(small):
         ref.prompt("Hi", "klingon")
     with pytest.raises(ValueError, match="empty"):
         ref.prompt("", "auto")
-    with pytest.raises(ValueError, match="no tokens"):
-        ref.prompt("\n", "auto")                      # merges into the role's newline token
+    with pytest.raises(ValueError, match="nothing to say"):
+        ref.prompt("\n", "auto")                      # blank after cleaning
+    with pytest.raises(ValueError, match="nothing to say"):
+        ref.prompt(" \t\x01\x7f ", "auto")
+    with pytest.raises(ValueError, match="limit is 20000"):
+        ref.prompt("x" * 20_001, "auto")
+    # controls inside real text are cleaned (the same rule as engine::prompt::clean_text)
+    assert ref.tokenize("a\x07b\r\nc") == ref.tokenize("a b\nc")
     with pytest.raises(ValueError, match="unknown mode"):
         ref.prompt("Hi", "auto", None, "batch")
     with pytest.raises(ValueError, match="seed"):
