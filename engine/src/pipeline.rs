@@ -1,10 +1,10 @@
 //! The engine a CLI and a daemon share: load once, then synthesize utterance after utterance.
 //!
-//! Threads and data flow (docs/engine.md): the **decode thread** runs the talker prefill and
-//! the frame loop and pushes frames into a fixed-capacity queue ([`FRAME_QUEUE`] frames); the
-//! **vocoder thread** takes frames, follows the chunk schedule and decodes windows (left context
-//! + chunk), pushing PCM chunks into a second fixed-capacity queue; the **caller's thread**
-//! receives chunks through a callback (the audio sink writes them). Queues are `heapless` SPSC
+//! Threads and data flow (docs/engine.md): the **decode thread** runs the frame loop and pushes
+//! frames into a fixed-capacity queue ([`FRAME_QUEUE`] frames); the **vocoder thread** takes
+//! frames, follows the chunk schedule and decodes windows (left context plus chunk), pushing PCM
+//! chunks into a second fixed-capacity queue; the **caller's thread** receives chunks through a
+//! callback (the audio sink writes them). Queues are `heapless` SPSC
 //! rings; PCM buffers come from a pool allocated when the engine is built and circulate
 //! between the vocoder and the caller, so the steady state allocates nothing in herald's code.
 //! A full queue blocks its producer (backpressure): a slow sink slows the vocoder, which slows

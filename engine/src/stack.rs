@@ -192,6 +192,7 @@ impl Stack {
     ///
     /// # Errors
     /// [`StepError::BadInput`] when the graph lacks an input or output the contract needs.
+    #[allow(clippy::too_many_arguments)]
     pub fn new(
         name: &str,
         graph: Graph,
@@ -316,11 +317,12 @@ impl Stack {
         self.slot_pos.iter_mut().for_each(|p| *p = -1);
         let empty = [1, 0, self.kv_heads, self.head_dim];
         for l in &mut self.layers {
-            if l.window.is_none() && l.k.shape()[1] > 4 * MIN_SLOTS {
-                if let (Ok(k), Ok(v)) = (alloc(self.dt, &empty), alloc(self.dt, &empty)) {
-                    l.k = k;
-                    l.v = v;
-                }
+            if l.window.is_none()
+                && l.k.shape()[1] > 4 * MIN_SLOTS
+                && let (Ok(k), Ok(v)) = (alloc(self.dt, &empty), alloc(self.dt, &empty))
+            {
+                l.k = k;
+                l.v = v;
             }
         }
     }

@@ -379,8 +379,8 @@ impl Decoder {
         self.history.push(c0);
         self.next.fill(0.0);
         b.tables.add(Embedding::Codec(c0), &mut self.next).map_err(map)?;
-        for k in 1..CODEBOOKS {
-            b.tables.add(Embedding::Residual { table: k - 1, code: frame[k] }, &mut self.next).map_err(map)?;
+        for (k, &code) in frame.iter().enumerate().skip(1) {
+            b.tables.add(Embedding::Residual { table: k - 1, code }, &mut self.next).map_err(map)?;
         }
         let text = self.trailing.get(step).copied().unwrap_or(b.manifest.text.tts_pad);
         b.tables.add(Embedding::Text(text), &mut self.next).map_err(map)?;

@@ -6,6 +6,8 @@
 //! and asserts it is the same every frame (nothing grows with the utterance), and that
 //! herald's parts add zero.
 
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
+
 mod common;
 
 use std::alloc::{GlobalAlloc, Layout, System};

@@ -2,6 +2,8 @@
 //! usable, cancel stops within a frame, utterances follow each other, the KV caches copy only
 //! the new entries, and broken bundles are refused with the file named.
 
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
+
 mod common;
 
 use std::path::{Path, PathBuf};

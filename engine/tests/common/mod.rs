@@ -5,7 +5,7 @@
 //! bundles are exported once into Cargo's per-test temporary directory through
 //! `tools/export/export`, so `cargo test` alone also works.
 
-#![allow(dead_code)]
+#![allow(dead_code, clippy::expect_used, clippy::panic)]
 
 use std::path::{Path, PathBuf};
 use std::process::Command;
