@@ -1,88 +1,391 @@
 //! `herald`: the appliance binary. Command line, configuration and wiring; the model work is in
 //! the engine crate, the device work in the board crate.
 //!
-//! Exit codes: 0 ok, 2 bad input or config, 3 audio device, 4 model/bundle.
+//! Exit codes (docs/config.md "Exit codes"): 0 ok, 2 bad input or config, 3 audio device,
+//! 4 model/bundle, 1 anything else (a bug: please report it).
 
-use std::path::PathBuf;
+mod config;
+
+use std::io::{IsTerminal, Read, Write};
+use std::path::{Path, PathBuf};
 use std::process::ExitCode;
+use std::sync::atomic::AtomicBool;
+use std::time::Instant;
 
+use board::audio::{AlsaSink, AudioSink, RawSink, SinkError, SinkErrorKind, WavSink};
 use clap::{Parser, Subcommand};
-use engine::Manifest;
+use engine::prompt::PromptMode;
+use engine::{Engine, EngineError, EngineSettings, Request};
 
-/// Exit code for a bad or missing model bundle.
+use crate::config::{CliOverrides, Config, Sampling, SynthesisMode};
+
+/// Exit code for bad input (text, flags) or a bad configuration.
+const EXIT_INPUT: u8 = 2;
+/// Exit code for an audio device that cannot be opened or fails.
+const EXIT_AUDIO: u8 = 3;
+/// Exit code for a missing or broken model bundle.
 const EXIT_BUNDLE: u8 = 4;
 
 #[derive(Parser)]
 #[command(name = "herald", version, about = "On-device Qwen3-TTS for speaking appliances")]
 struct Cli {
+    /// Configuration file (default: /etc/herald/herald.toml when it exists; or HERALD_CONFIG).
+    #[arg(long, global = true, value_name = "FILE")]
+    config: Option<PathBuf>,
     #[command(subcommand)]
     command: Command,
 }
 
 #[derive(Subcommand)]
 enum Command {
+    /// Speak TEXT (or standard input) through ALSA, or write it as WAV / raw PCM.
+    Speak {
+        /// The text; `-` or nothing reads standard input (UTF-8).
+        text: Option<String>,
+        /// Bundle directory (overrides model.bundle).
+        #[arg(long, value_name = "DIR")]
+        bundle: Option<PathBuf>,
+        /// Write a 16-bit mono WAV to FILE, or to standard output with `-` (streaming header).
+        #[arg(long, value_name = "FILE", conflicts_with = "raw")]
+        out: Option<String>,
+        /// Write raw S16LE mono PCM at the model rate to standard output (no header).
+        #[arg(long)]
+        raw: bool,
+        /// ALSA playback PCM (overrides audio.device), e.g. `default`, `plughw:1,0`.
+        #[arg(long, value_name = "PCM")]
+        device: Option<String>,
+        /// Speaker name from the bundle (see `herald info`).
+        #[arg(long)]
+        speaker: Option<String>,
+        /// Language from the bundle, or `auto`.
+        #[arg(long)]
+        language: Option<String>,
+        /// Seed of the sampler (reproducible output).
+        #[arg(long, conflicts_with = "greedy")]
+        seed: Option<u64>,
+        /// Greedy decoding instead of sampling.
+        #[arg(long)]
+        greedy: bool,
+        /// Prompt mode (overrides synthesis.mode): streaming or non-streaming.
+        #[arg(long, value_name = "MODE")]
+        mode: Option<SynthesisMode>,
+        /// Linear output gain 0.0..=2.0 (overrides audio.volume).
+        #[arg(long)]
+        volume: Option<f64>,
+    },
+    /// Print the effective configuration (defaults, file, environment) as TOML.
+    Config,
     /// Print a bundle's model facts, graphs, speakers and languages, and a memory estimate.
     Info {
-        /// Bundle directory (holds bundle.toml).
-        #[arg(long)]
-        bundle: PathBuf,
+        /// Bundle directory (overrides model.bundle).
+        #[arg(long, value_name = "DIR")]
+        bundle: Option<PathBuf>,
     },
+    /// Rewrite an ONNX file so tract can load it (NaN guards, allowzero, rank-0 axes, value_info).
+    Sanitize {
+        /// Input ONNX file.
+        input: PathBuf,
+        /// Output ONNX file (written atomically; external data files are copied alongside).
+        output: PathBuf,
+    },
+    /// List ALSA playback PCMs.
+    Devices,
 }
 
-fn main() -> ExitCode {
-    let cli = Cli::parse();
-    match cli.command {
-        Command::Info { bundle } => match Manifest::load(&bundle) {
-            Ok(m) => {
-                print_info(&bundle, &m);
-                ExitCode::SUCCESS
-            }
-            Err(e) => {
-                eprintln!("error: bundle {}: {e}", bundle.display());
-                ExitCode::from(EXIT_BUNDLE)
-            }
-        },
+/// A failure with the exit code it maps to.
+struct Failure {
+    code: u8,
+    err: anyhow::Error,
+}
+
+fn fail(code: u8, err: impl Into<anyhow::Error>) -> Failure {
+    Failure { code, err: err.into() }
+}
+
+fn engine_code(e: &EngineError) -> u8 {
+    match e {
+        EngineError::Prompt(_) => EXIT_INPUT,
+        EngineError::Config(_) => EXIT_INPUT,
+        _ => EXIT_BUNDLE,
     }
 }
 
-fn print_info(dir: &std::path::Path, m: &Manifest) {
-    println!("bundle      {}", dir.display());
-    println!("model       {} {} {} ({}), from {}", m.model.family, m.model.size, m.model.kind, m.model.dtype, m.model.source);
-    println!(
+fn sink_code(e: &SinkError) -> u8 {
+    match e.kind() {
+        SinkErrorKind::Config | SinkErrorKind::Output => EXIT_INPUT,
+        _ => EXIT_AUDIO,
+    }
+}
+
+fn main() -> ExitCode {
+    let cli = match Cli::try_parse() {
+        Ok(c) => c,
+        Err(e) => {
+            // clap prints help/version to stdout with exit 0, usage errors to stderr with exit 2
+            let code = e.exit_code();
+            let _ = e.print();
+            return ExitCode::from(u8::try_from(code).unwrap_or(EXIT_INPUT));
+        }
+    };
+    match run(cli) {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(f) => {
+            eprintln!("error: {}", one_line(&f.err));
+            ExitCode::from(f.code)
+        }
+    }
+}
+
+/// The error and its causes on one line, skipping a cause whose text its parent already shows
+/// (typed errors print their source themselves).
+fn one_line(err: &anyhow::Error) -> String {
+    let mut line = String::new();
+    for cause in err.chain() {
+        let text = cause.to_string();
+        if line.contains(&text) {
+            continue;
+        }
+        if !line.is_empty() {
+            line.push_str(": ");
+        }
+        line.push_str(&text);
+    }
+    line
+}
+
+fn load_config(explicit: Option<&Path>) -> Result<Config, Failure> {
+    Config::load(explicit, &Config::process_env()).map_err(|e| fail(EXIT_INPUT, e))
+}
+
+/// Log to stderr with `filter` (env_logger syntax: `info`, `engine=debug`, ...).
+fn init_logging(filter: &str) {
+    let mut b = env_logger::Builder::new();
+    b.parse_filters(filter);
+    b.format_timestamp_millis();
+    let _ = b.try_init();
+}
+
+fn run(cli: Cli) -> Result<(), Failure> {
+    match cli.command {
+        Command::Sanitize { input, output } => {
+            init_logging("info");
+            let report = engine::sanitize::sanitize_file(&input, &output).map_err(|e| fail(EXIT_INPUT, e))?;
+            eprintln!("{}: {report}", output.display());
+            Ok(())
+        }
+        Command::Devices => {
+            init_logging("warn");
+            let devs = board::audio::list_playback_devices().map_err(|e| fail(EXIT_AUDIO, e))?;
+            let mut o = std::io::stdout().lock();
+            for d in devs {
+                if writeln!(o, "{:<28} {}", d.name, d.description.replace('\n', " / ")).is_err() {
+                    break; // the reader went away (e.g. `| head`)
+                }
+            }
+            Ok(())
+        }
+        Command::Info { bundle } => {
+            let cfg = load_config(cli.config.as_deref())?;
+            init_logging(cfg.log.filter(std::env::var("RUST_LOG").ok().as_deref()));
+            let dir = bundle.unwrap_or_else(|| cfg.model.bundle.clone());
+            let m = engine::Manifest::load(&dir).map_err(|e| fail(EXIT_BUNDLE, anyhow::Error::new(e).context(format!("bundle {}", dir.display()))))?;
+            match print_info(&dir, &m) {
+                Err(e) if e.kind() != std::io::ErrorKind::BrokenPipe => Err(fail(1, e)),
+                _ => Ok(()),
+            }
+        }
+        Command::Speak { text, bundle, out, raw, device, speaker, language, seed, greedy, mode, volume } => {
+            let mut cfg = load_config(cli.config.as_deref())?;
+            init_logging(cfg.log.filter(std::env::var("RUST_LOG").ok().as_deref()));
+            let overrides = CliOverrides {
+                bundle,
+                device,
+                speaker,
+                language,
+                seed,
+                mode,
+                volume,
+                sampling: greedy.then_some(Sampling::Greedy),
+                ..CliOverrides::default()
+            };
+            cfg.apply_cli(&overrides).map_err(|e| fail(EXIT_INPUT, e))?;
+            let text = read_text(text)?;
+            speak(&cfg, &text, out.as_deref(), raw)
+        }
+        Command::Config => {
+            let cfg = load_config(cli.config.as_deref())?;
+            let _ = write!(std::io::stdout().lock(), "{cfg}");
+            Ok(())
+        }
+    }
+}
+
+fn read_text(arg: Option<String>) -> Result<String, Failure> {
+    match arg.as_deref() {
+        Some(t) if t != "-" => Ok(t.to_owned()),
+        _ => {
+            let mut stdin = std::io::stdin();
+            if stdin.is_terminal() {
+                eprintln!("reading text from standard input; end with Ctrl-D");
+            }
+            let mut bytes = Vec::new();
+            stdin.read_to_end(&mut bytes).map_err(|e| fail(EXIT_INPUT, anyhow::Error::new(e).context("reading standard input")))?;
+            String::from_utf8(bytes).map_err(|e| {
+                fail(EXIT_INPUT, anyhow::anyhow!("standard input is not valid UTF-8 (first bad byte at offset {})", e.utf8_error().valid_up_to()))
+            })
+        }
+    }
+}
+
+fn rss_mb() -> Option<f64> {
+    let statm = std::fs::read_to_string("/proc/self/statm").ok()?;
+    let pages: f64 = statm.split_whitespace().nth(1)?.parse().ok()?;
+    Some(pages * 4096.0 / 1e6)
+}
+
+fn speak(cfg: &Config, text: &str, out: Option<&str>, raw: bool) -> Result<(), Failure> {
+    let t0 = Instant::now();
+    let threads = cfg.runtime.effective_threads();
+    engine::set_compute_threads(threads);
+    log::debug!("{threads} compute thread(s) for matrix products");
+    let settings = EngineSettings {
+        kv_capacity: cfg.synthesis.kv_capacity,
+        ramp: Some(cfg.synthesis.ramp.clone()),
+        left_context: Some(cfg.synthesis.left_context),
+    };
+    let mode = match cfg.synthesis.mode {
+        SynthesisMode::NonStreaming => PromptMode::NonStreaming,
+        SynthesisMode::Streaming => PromptMode::Streaming,
+    };
+    let seed = cfg.synthesis.utterance_seed();
+    match seed {
+        Some(s) => log::info!("sampling with seed {s} (--seed {s} reproduces this run)"),
+        None => log::info!("greedy decoding"),
+    }
+    let request = Request {
+        text: text.to_owned(),
+        language: Some(cfg.synthesis.language.clone()),
+        speaker: cfg.synthesis.speaker.clone(),
+        mode,
+        seed,
+        max_frames: None,
+        force_eos_at: None,
+    };
+    let bundle_err = |e: engine::ManifestError| {
+        fail(EXIT_BUNDLE, anyhow::Error::new(e).context(format!("bundle {}", cfg.model.bundle.display())))
+    };
+    let manifest = engine::Manifest::load(&cfg.model.bundle).map_err(bundle_err)?;
+    let rate = manifest.audio.sample_rate;
+    let shaper = cfg.shaper_settings();
+    let mut sink: Box<dyn AudioSink> = match (out, raw) {
+        (_, true) => Box::new(RawSink::stdout(shaper)),
+        (Some("-"), _) => Box::new(WavSink::stdout(shaper)),
+        (Some(path), _) => Box::new(WavSink::create(Path::new(path), shaper).map_err(|e| fail(sink_code(&e), e))?),
+        (None, false) => Box::new(AlsaSink::new(cfg.alsa_settings(), shaper)),
+    };
+    // Open the output first: a busy or missing device fails before any model work.
+    sink.begin(rate).map_err(|e| fail(sink_code(&e), e))?;
+    let engine = match Engine::load(&cfg.model.bundle, &settings) {
+        Ok(e) => e,
+        Err(e) => {
+            sink.abort();
+            let code = engine_code(&e);
+            return Err(fail(code, anyhow::Error::new(e).context(format!("bundle {}", cfg.model.bundle.display()))));
+        }
+    };
+    log::info!(
+        "ready in {:.2} s (bundle load {:.2} s), resident memory {}",
+        t0.elapsed().as_secs_f64(),
+        engine.bundle().load_seconds,
+        rss_mb().map_or_else(|| "unknown".into(), |m| format!("{m:.0} MB"))
+    );
+    let cancel = AtomicBool::new(false);
+    let mut sink_err: Option<SinkError> = None;
+    let result = engine.synthesize(&request, &cancel, |chunk| {
+        if let Err(e) = sink.write(chunk.samples) {
+            let msg = e.to_string();
+            sink_err = Some(e);
+            return Err(msg);
+        }
+        Ok(())
+    });
+    if let Some(e) = sink_err {
+        sink.abort();
+        if e.is_broken_pipe() {
+            log::info!("the reader of standard output went away; stopping");
+            return Ok(());
+        }
+        return Err(fail(sink_code(&e), e));
+    }
+    let report = match result {
+        Ok(r) => r,
+        Err(e) => {
+            sink.abort();
+            return Err(fail(engine_code(&e), e));
+        }
+    };
+    let stats = match sink.finish() {
+        Ok(s) => s,
+        Err(e) if e.is_broken_pipe() => return Ok(()),
+        Err(e) => return Err(fail(sink_code(&e), e)),
+    };
+    let audio_s = report.samples as f64 / f64::from(rate);
+    log::info!(
+        "{} frames ({audio_s:.2} s of audio) in {:.2} s: RTF {:.2}, time to first audio {:.0} ms, stop: {:?}, xruns {}",
+        report.frames,
+        report.total,
+        report.rtf(f64::from(rate)),
+        report.ttfa * 1e3,
+        report.stop,
+        stats.xruns
+    );
+    log::debug!("step statistics:\n{}", report.stats);
+    if let Some(path) = out.filter(|p| *p != "-") {
+        eprintln!("wrote {path} ({audio_s:.2} s)");
+    }
+    let _ = std::io::stdout().flush();
+    Ok(())
+}
+
+fn print_info(dir: &Path, m: &engine::Manifest) -> std::io::Result<()> {
+    let mut o = std::io::stdout().lock();
+    writeln!(o, "bundle      {}", dir.display())?;
+    writeln!(o, "model       {} {} {} ({}), from {}", m.model.family, m.model.size, m.model.kind, m.model.dtype, m.model.source)?;
+    writeln!(o, 
         "audio       {} Hz, {} samples/frame ({} frames/s), {} codebooks x {}",
         m.audio.sample_rate,
         m.audio.samples_per_frame,
         m.frame_rate(),
         m.audio.num_codebooks,
         m.audio.codebook_size
-    );
+    )?;
     for (name, s) in [("talker", &m.talker), ("predictor", &m.code_predictor)] {
         let sliding = s.cache.iter().filter(|c| matches!(c, engine::manifest::CacheKind::Sliding { .. })).count();
-        println!(
+        writeln!(o, 
             "{name:<11} {} layers ({} sliding), hidden {}, {} q / {} kv heads x {}",
             s.layers, sliding, s.hidden, s.heads, s.kv_heads, s.head_dim
-        );
+        )?;
     }
     let names = |map: &std::collections::BTreeMap<String, u32>| {
         if map.is_empty() { "(none)".to_string() } else { map.keys().cloned().collect::<Vec<_>>().join(", ") }
     };
-    println!("languages   auto, {}", names(&m.languages));
-    println!("speakers    {}", names(&m.speakers));
+    writeln!(o, "languages   auto, {}", names(&m.languages))?;
+    writeln!(o, "speakers    {}", names(&m.speakers))?;
     let mut total = 0u64;
     for (name, g) in &m.graphs {
         let size = std::fs::metadata(dir.join(&g.file)).map(|md| md.len()).unwrap_or(0);
         total += size;
-        println!("graph       {name:<15} {:>9.1} MB  {} inputs, {} outputs", size as f64 / 1e6, g.inputs.len(), g.outputs.len());
+        writeln!(o, "graph       {name:<15} {:>9.1} MB  {} inputs, {} outputs", size as f64 / 1e6, g.inputs.len(), g.outputs.len())?;
     }
     let tables = std::fs::metadata(dir.join(&m.tables.file)).map(|md| md.len()).unwrap_or(0);
-    // KV cache per talker position: 2 (K and V) x kv_heads x head_dim x bytes, for full layers.
     let bytes = if m.model.dtype == "fp16" { 2 } else { 4 };
     let full_layers = m.talker.cache.iter().filter(|c| matches!(c, engine::manifest::CacheKind::Full)).count() as u64;
     let kv_per_pos = 2 * full_layers * u64::from(m.talker.kv_heads) * u64::from(m.talker.head_dim) * bytes;
-    println!("tables      {:>9.1} MB (memory-mapped; only the rows a prompt uses become resident)", tables as f64 / 1e6);
-    println!(
+    writeln!(o, "tables      {:>9.1} MB (memory-mapped; only the rows a prompt uses become resident)", tables as f64 / 1e6)?;
+    writeln!(o, 
         "memory      ~{:.1} MB of graph weights + {:.1} KiB KV cache per talker position",
         total as f64 / 1e6,
         kv_per_pos as f64 / 1024.0
-    );
+    )?;
+    Ok(())
 }

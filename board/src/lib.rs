@@ -1,4 +1,5 @@
 //! herald's device side: hardware probe, audio sinks (ALSA, WAV, null), GPIO and persistent
 //! state. Sinks take plain sample slices; this crate never runs a model.
 
+pub mod audio;
 pub mod pcm;

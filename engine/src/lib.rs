@@ -16,3 +16,12 @@ pub mod tables;
 pub use manifest::{Manifest, ManifestError};
 pub use pipeline::{Engine, PcmChunk, Report};
 pub use synth::{Bundle, EngineError, EngineSettings, Frame, Request, StopReason};
+
+/// Use `threads` compute threads for the matrix products of every graph (tract's executor; the
+/// decode and vocoder stages keep their own threads on top). 0 or 1: single-threaded.
+///
+/// Process-wide: call it once, before loading, from the binary.
+pub fn set_compute_threads(threads: usize) {
+    use tract_linalg::multithread::{Executor, set_default_executor};
+    set_default_executor(if threads > 1 { Executor::multithread(threads) } else { Executor::SingleThread });
+}
