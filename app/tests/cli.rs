@@ -1,0 +1,201 @@
+//! The `herald` binary end to end: WAV, raw and ALSA outputs agree sample for sample (ALSA
+//! through alsa-lib's `file` plugin, no sound hardware needed), and every documented exit code.
+
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
+
+use std::io::Write;
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output, Stdio};
+
+const HERALD: &str = env!("CARGO_BIN_EXE_herald");
+
+fn repo() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).parent().unwrap().to_path_buf()
+}
+
+/// The tiny bundle: from HERALD_TEST_BUNDLES (scripts/test exports it), else exported here.
+fn bundle() -> PathBuf {
+    if let Some(d) = std::env::var_os("HERALD_TEST_BUNDLES").filter(|d| !d.is_empty()) {
+        return PathBuf::from(d).join("tiny-0.6b");
+    }
+    let out = PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join("cli-bundle");
+    if !out.join("bundle.toml").is_file() {
+        let st = Command::new(repo().join("tools/export/export"))
+            .args(["export", "--tiny", "tiny-0.6b", "--seed", "7", "--quiet", "--out"])
+            .arg(&out)
+            .status()
+            .unwrap();
+        assert!(st.success());
+    }
+    out
+}
+
+fn tmp(name: &str) -> PathBuf {
+    let d = PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join("cli").join(name);
+    let _ = std::fs::remove_dir_all(&d);
+    std::fs::create_dir_all(&d).unwrap();
+    d
+}
+
+/// Run herald with a clean environment for HERALD_* and ALSA (so the developer's own settings
+/// don't leak in); `env` adds variables.
+fn herald(args: &[&str], env: &[(&str, &str)], stdin: Option<&[u8]>) -> Output {
+    let mut c = Command::new(HERALD);
+    c.args(args).env_remove("RUST_LOG").env_remove("ALSA_CONFIG_PATH");
+    for (k, _) in std::env::vars() {
+        if k.starts_with("HERALD_") {
+            c.env_remove(k);
+        }
+    }
+    // no /etc/herald/herald.toml of the machine: point at an empty config
+    let empty = PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join("empty.toml");
+    std::fs::write(&empty, "").unwrap();
+    c.env("HERALD_CONFIG", &empty);
+    for (k, v) in env {
+        c.env(k, v);
+    }
+    c.stdin(if stdin.is_some() { Stdio::piped() } else { Stdio::null() }).stdout(Stdio::piped()).stderr(Stdio::piped());
+    let mut child = c.spawn().unwrap();
+    if let Some(input) = stdin {
+        child.stdin.take().unwrap().write_all(input).unwrap();
+    }
+    child.wait_with_output().unwrap()
+}
+
+fn stderr(o: &Output) -> String {
+    String::from_utf8_lossy(&o.stderr).into_owned()
+}
+
+/// (sample rate, channels, bits, PCM bytes) of a WAV; `streaming` accepts the 0xFFFFFFFF sizes.
+fn parse_wav(b: &[u8]) -> (u32, u16, u16, Vec<u8>) {
+    assert_eq!(&b[0..4], b"RIFF");
+    assert_eq!(&b[8..12], b"WAVE");
+    let mut p = 12;
+    let (mut rate, mut ch, mut bits) = (0, 0, 0);
+    loop {
+        let id = &b[p..p + 4];
+        let len = u32::from_le_bytes(b[p + 4..p + 8].try_into().unwrap()) as usize;
+        if id == b"fmt " {
+            ch = u16::from_le_bytes([b[p + 10], b[p + 11]]);
+            rate = u32::from_le_bytes(b[p + 12..p + 16].try_into().unwrap());
+            bits = u16::from_le_bytes([b[p + 22], b[p + 23]]);
+        }
+        if id == b"data" {
+            let end = if len == u32::MAX as usize || p + 8 + len > b.len() { b.len() } else { p + 8 + len };
+            return (rate, ch, bits, b[p + 8..end].to_vec());
+        }
+        p += 8 + len;
+    }
+}
+
+const TEXT: &str = "Every output agrees.";
+
+#[test]
+fn wav_raw_pipe_and_alsa_outputs_are_identical() {
+    let b = bundle();
+    let bs = b.to_str().unwrap();
+    let d = tmp("outputs");
+    let wav = d.join("out.wav");
+    let o = herald(&["speak", TEXT, "--bundle", bs, "--seed", "11", "--out", wav.to_str().unwrap()], &[], None);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let (rate, ch, bits, pcm) = parse_wav(&std::fs::read(&wav).unwrap());
+    assert_eq!((rate, ch, bits), (24000, 1, 16));
+    // tiny models never emit eos: "Every output agrees." caps at 40 + 10 n frames; plus 2 x 0 ms silence
+    assert_eq!(pcm.len() % (1920 * 2), 0, "whole frames of S16 samples");
+    assert!(pcm.len() >= 40 * 1920 * 2);
+    // WAV to a pipe: streaming header, same samples
+    let o = herald(&["speak", TEXT, "--bundle", bs, "--seed", "11", "--out", "-"], &[], None);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let (r2, c2, b2, pcm2) = parse_wav(&o.stdout);
+    assert_eq!((r2, c2, b2), (24000, 1, 16));
+    assert_eq!(pcm2, pcm, "WAV through a pipe differs from the WAV file");
+    // raw: no header, same bytes
+    let o = herald(&["speak", TEXT, "--bundle", bs, "--seed", "11", "--raw"], &[], None);
+    assert!(o.status.success(), "{}", stderr(&o));
+    assert_ne!(&o.stdout[..4], b"RIFF");
+    assert_eq!(o.stdout, pcm, "raw output differs from the WAV data");
+    // ALSA: the default PCM is alsa-lib's file plugin over null, recording what herald wrote
+    let capture = d.join("capture.raw");
+    let conf = d.join("asound.conf");
+    std::fs::write(
+        &conf,
+        format!("pcm.!default {{\n type file\n slave.pcm {{ type null }}\n file \"{}\"\n format \"raw\"\n}}\n", capture.display()),
+    )
+    .unwrap();
+    let o = herald(&["speak", TEXT, "--bundle", bs, "--seed", "11"], &[("ALSA_CONFIG_PATH", conf.to_str().unwrap())], None);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let captured = std::fs::read(&capture).unwrap();
+    assert_eq!(captured.len(), pcm.len(), "ALSA captured another number of samples");
+    assert_eq!(captured, pcm, "ALSA capture differs from the WAV output");
+    assert!(stderr(&o).contains("xruns 0") || !stderr(&o).contains("xrun"), "{}", stderr(&o));
+}
+
+#[test]
+fn text_from_stdin_and_shaping_from_the_config() {
+    let b = bundle();
+    let d = tmp("stdin");
+    let cfg = d.join("herald.toml");
+    std::fs::write(
+        &cfg,
+        format!(
+            "[model]\nbundle = \"{}\"\n[audio]\nleading_silence_ms = 100\ntrailing_silence_ms = 50\n[synthesis]\nsampling = \"greedy\"\n",
+            b.display()
+        ),
+    )
+    .unwrap();
+    let o = herald(&["--config", cfg.to_str().unwrap(), "speak", "--raw"], &[], Some("Read me from standard input.".as_bytes()));
+    assert!(o.status.success(), "{}", stderr(&o));
+    let lead = 2400 * 2;
+    let trail = 1200 * 2;
+    assert!(o.stdout[..lead].iter().all(|&x| x == 0), "100 ms of leading silence");
+    assert!(o.stdout[o.stdout.len() - trail..].iter().all(|&x| x == 0), "50 ms of trailing silence");
+    assert_eq!((o.stdout.len() - lead - trail) % (1920 * 2), 0);
+    // greedy is deterministic: the same again
+    let o2 = herald(&["--config", cfg.to_str().unwrap(), "speak", "--raw", "-"], &[], Some("Read me from standard input.".as_bytes()));
+    assert_eq!(o.stdout, o2.stdout);
+}
+
+#[test]
+fn documented_exit_codes_with_one_line_reasons() {
+    let b = bundle();
+    let bs = b.to_str().unwrap();
+    let d = tmp("codes");
+    let check = |o: Output, code: i32, needle: &str| {
+        let e = stderr(&o);
+        assert_eq!(o.status.code(), Some(code), "{e}");
+        let lines: Vec<&str> = e.lines().filter(|l| l.starts_with("error:")).collect();
+        assert_eq!(lines.len(), 1, "{e}");
+        assert!(lines[0].contains(needle), "{e}");
+    };
+    check(herald(&["speak", "hi", "--bogus"], &[], None), 2, "--bogus");
+    check(herald(&["speak", "hi", "--bundle", "/nonexistent/bundle", "--out", "/dev/null"], &[], None), 4, "/nonexistent/bundle");
+    check(herald(&["speak", "hi", "--bundle", bs, "--device", "no_such_pcm"], &[], None), 3, "no_such_pcm");
+    let bad = d.join("bad.toml");
+    std::fs::write(&bad, "[audio]\nvolume = 3.5\n").unwrap();
+    check(herald(&["--config", bad.to_str().unwrap(), "speak", "hi"], &[], None), 2, "audio.volume");
+    std::fs::write(&bad, "[audio\nvolume = 1\n").unwrap();
+    check(herald(&["--config", bad.to_str().unwrap(), "speak", "hi"], &[], None), 2, "bad.toml");
+    check(herald(&["speak", "", "--bundle", bs, "--out", "/dev/null"], &[], None), 2, "empty");
+    check(herald(&["speak", "hi", "--bundle", bs, "--speaker", "nobody", "--out", "/dev/null"], &[], None), 2, "nobody");
+    check(herald(&["speak", "--bundle", bs, "--out", "/dev/null"], &[], Some(&[0x66, 0xff, 0xfe])), 2, "UTF-8");
+    check(herald(&["speak", "hi", "--bundle", bs], &[("HERALD_AUDIO_VOLUMEX", "1")], None), 2, "HERALD_AUDIO_VOLUMEX");
+    // a broken bundle: manifest present, a graph truncated
+    let broken = d.join("broken");
+    std::fs::create_dir_all(&broken).unwrap();
+    for f in std::fs::read_dir(&b).unwrap() {
+        let f = f.unwrap().path();
+        std::fs::copy(&f, broken.join(f.file_name().unwrap())).unwrap();
+    }
+    let g = broken.join("talker.onnx");
+    let data = std::fs::read(&g).unwrap();
+    std::fs::write(&g, &data[..data.len() / 2]).unwrap();
+    check(herald(&["speak", "hi", "--bundle", broken.to_str().unwrap(), "--out", "/dev/null"], &[], None), 4, "talker.onnx");
+    // info and sanitize
+    let o = herald(&["info", "--bundle", bs], &[], None);
+    assert!(o.status.success());
+    assert!(String::from_utf8_lossy(&o.stdout).contains("speakers    dylan, eric, ryan, serena, vivian"));
+    check(herald(&["sanitize", "/nonexistent.onnx", d.join("o.onnx").to_str().unwrap()], &[], None), 2, "/nonexistent.onnx");
+    let o = herald(&["sanitize", b.join("talker.onnx").to_str().unwrap(), d.join("t.onnx").to_str().unwrap()], &[], None);
+    assert!(o.status.success(), "{}", stderr(&o));
+    assert!(d.join("t.onnx").is_file());
+}
