@@ -1012,10 +1012,12 @@ impl Config {
         }
         take!(l.model.bundle, "model.bundle", |v: String| text(v).map(|v| {
             let p = PathBuf::from(v);
-            match base {
+            let p = match base {
                 Some(d) if p.is_relative() => d.join(p),
                 _ => p,
-            }
+            };
+            // absolute, so `herald config` prints a path that means the same from anywhere
+            std::path::absolute(&p).unwrap_or(p)
         }) => self.model.bundle);
         take!(l.audio.device, "audio.device", text => self.audio.device);
         take!(l.audio.format, "audio.format", name => self.audio.format);
@@ -1262,9 +1264,9 @@ mod tests {
         assert_eq!(c.model.bundle, path.parent().unwrap().join("bundles/tiny"));
         let c = load_text("abs.toml", "[model]\nbundle = \"/opt/b\"\n").unwrap();
         assert_eq!(c.model.bundle, Path::new("/opt/b"));
-        // from the environment it is taken as given
+        // from the environment it is relative to the working directory, stored absolute
         let c = Config::load_with_default(Path::new(NO_DEFAULT), None, &env(&[("HERALD_MODEL_BUNDLE", "b")])).unwrap();
-        assert_eq!(c.model.bundle, Path::new("b"));
+        assert_eq!(c.model.bundle, std::env::current_dir().unwrap().join("b"));
     }
 
     #[test]

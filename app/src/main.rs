@@ -9,13 +9,13 @@ mod config;
 use std::io::{IsTerminal, Read, Write};
 use std::path::{Path, PathBuf};
 use std::process::ExitCode;
-use std::sync::atomic::AtomicBool;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Instant;
 
 use board::audio::{AlsaSink, AudioSink, RawSink, SinkError, SinkErrorKind, WavSink};
 use clap::{Parser, Subcommand};
 use engine::prompt::PromptMode;
-use engine::{Engine, EngineError, EngineSettings, Request};
+use engine::{Engine, EngineError, EngineSettings, Request, StopReason};
 
 use crate::config::{CliOverrides, Config, Sampling, SynthesisMode};
 
@@ -104,11 +104,18 @@ fn fail(code: u8, err: impl Into<anyhow::Error>) -> Failure {
 
 fn engine_code(e: &EngineError) -> u8 {
     match e {
-        EngineError::Prompt(_) => EXIT_INPUT,
-        EngineError::Config(_) => EXIT_INPUT,
+        EngineError::Prompt(_) | EngineError::Config(_) => EXIT_INPUT,
+        EngineError::Cancelled => EXIT_INTERRUPTED,
         _ => EXIT_BUNDLE,
     }
 }
+
+/// Exit code after SIGINT/SIGTERM stopped the utterance (128 + SIGINT, the shell convention).
+const EXIT_INTERRUPTED: u8 = 130;
+
+/// Set by SIGINT/SIGTERM: the utterance stops within a frame, the output is finished cleanly
+/// (fade-out, WAV header), and herald exits with [`EXIT_INTERRUPTED`].
+static INTERRUPTED: AtomicBool = AtomicBool::new(false);
 
 fn sink_code(e: &SinkError) -> u8 {
     match e.kind() {
@@ -127,6 +134,14 @@ fn main() -> ExitCode {
             return ExitCode::from(u8::try_from(code).unwrap_or(EXIT_INPUT));
         }
     };
+    if let Err(e) = ctrlc::set_handler(|| {
+        if INTERRUPTED.swap(true, Ordering::Relaxed) {
+            // a second signal: stop now
+            std::process::exit(i32::from(EXIT_INTERRUPTED));
+        }
+    }) {
+        eprintln!("warning: cannot handle SIGINT/SIGTERM: {e}");
+    }
     match run(cli) {
         Ok(()) => ExitCode::SUCCESS,
         Err(f) => {
@@ -168,7 +183,7 @@ fn init_logging(filter: &str) {
 fn run(cli: Cli) -> Result<(), Failure> {
     match cli.command {
         Command::Sanitize { input, output } => {
-            init_logging("info");
+            init_logging("warn");
             let report = engine::sanitize::sanitize_file(&input, &output).map_err(|e| fail(EXIT_INPUT, e))?;
             eprintln!("{}: {report}", output.display());
             Ok(())
@@ -177,6 +192,10 @@ fn run(cli: Cli) -> Result<(), Failure> {
             init_logging("warn");
             let devs = board::audio::list_playback_devices().map_err(|e| fail(EXIT_AUDIO, e))?;
             let mut o = std::io::stdout().lock();
+            if !devs.iter().any(|d| d.name == "default") {
+                // alsa-lib lists only PCMs with hints; `default` always exists unless redefined away
+                let _ = writeln!(o, "{:<28} alsa-lib's default device", "default");
+            }
             for d in devs {
                 if writeln!(o, "{:<28} {}", d.name, d.description.replace('\n', " / ")).is_err() {
                     break; // the reader went away (e.g. `| head`)
@@ -224,12 +243,26 @@ fn read_text(arg: Option<String>) -> Result<String, Failure> {
     match arg.as_deref() {
         Some(t) if t != "-" => Ok(t.to_owned()),
         _ => {
-            let mut stdin = std::io::stdin();
+            let stdin = std::io::stdin();
             if stdin.is_terminal() {
                 eprintln!("reading text from standard input; end with Ctrl-D");
             }
+            // Never read more than the longest accepted text can take (4 bytes per character).
+            let limit = engine::prompt::MAX_TEXT_CHARS * 4 + 4;
             let mut bytes = Vec::new();
-            stdin.read_to_end(&mut bytes).map_err(|e| fail(EXIT_INPUT, anyhow::Error::new(e).context("reading standard input")))?;
+            stdin
+                .take(limit as u64 + 1)
+                .read_to_end(&mut bytes)
+                .map_err(|e| fail(EXIT_INPUT, anyhow::Error::new(e).context("reading standard input")))?;
+            if bytes.len() > limit {
+                return Err(fail(
+                    EXIT_INPUT,
+                    anyhow::anyhow!(
+                        "standard input is longer than the longest text herald accepts ({} characters); split it",
+                        engine::prompt::MAX_TEXT_CHARS
+                    ),
+                ));
+            }
             String::from_utf8(bytes).map_err(|e| {
                 fail(EXIT_INPUT, anyhow::anyhow!("standard input is not valid UTF-8 (first bad byte at offset {})", e.utf8_error().valid_up_to()))
             })
@@ -276,14 +309,25 @@ fn speak(cfg: &Config, text: &str, out: Option<&str>, raw: bool) -> Result<(), F
     };
     let manifest = engine::Manifest::load(&cfg.model.bundle).map_err(bundle_err)?;
     let rate = manifest.audio.sample_rate;
+    // Check the text and the voice before touching the device or loading the graphs.
+    let prompter = engine::prompt::Prompter::new(&cfg.model.bundle, &manifest)
+        .map_err(|e| fail(EXIT_BUNDLE, anyhow::Error::new(e).context(format!("bundle {}", cfg.model.bundle.display()))))?;
+    prompter
+        .layout(&request.text, request.language.as_deref(), request.speaker.as_deref(), request.mode)
+        .map_err(|e| fail(EXIT_INPUT, e))?;
+    drop(prompter);
     let shaper = cfg.shaper_settings();
-    let mut sink: Box<dyn AudioSink> = match (out, raw) {
-        (_, true) => Box::new(RawSink::stdout(shaper)),
-        (Some("-"), _) => Box::new(WavSink::stdout(shaper)),
-        (Some(path), _) => Box::new(WavSink::create(Path::new(path), shaper).map_err(|e| fail(sink_code(&e), e))?),
-        (None, false) => Box::new(AlsaSink::new(cfg.alsa_settings(), shaper)),
+    let file_out = match out {
+        Some(path) if path != "-" => Some(FileOut::new(Path::new(path)).map_err(|e| fail(EXIT_INPUT, e))?),
+        _ => None,
     };
-    // Open the output first: a busy or missing device fails before any model work.
+    let mut sink: Box<dyn AudioSink> = match (&file_out, out, raw) {
+        (_, _, true) => Box::new(RawSink::stdout(shaper)),
+        (Some(f), _, _) => Box::new(WavSink::create(f.write_path(), shaper).map_err(|e| fail(sink_code(&e), e))?),
+        (None, Some(_), _) => Box::new(WavSink::stdout(shaper)),
+        (None, None, false) => Box::new(AlsaSink::new(cfg.alsa_settings(), shaper)),
+    };
+    // Open the output before loading the graphs: a busy or missing device fails fast.
     sink.begin(rate).map_err(|e| fail(sink_code(&e), e))?;
     let engine = match Engine::load(&cfg.model.bundle, &settings) {
         Ok(e) => e,
@@ -299,9 +343,8 @@ fn speak(cfg: &Config, text: &str, out: Option<&str>, raw: bool) -> Result<(), F
         engine.bundle().load_seconds,
         rss_mb().map_or_else(|| "unknown".into(), |m| format!("{m:.0} MB"))
     );
-    let cancel = AtomicBool::new(false);
     let mut sink_err: Option<SinkError> = None;
-    let result = engine.synthesize(&request, &cancel, |chunk| {
+    let result = engine.synthesize(&request, &INTERRUPTED, |chunk| {
         if let Err(e) = sink.write(chunk.samples) {
             let msg = e.to_string();
             sink_err = Some(e);
@@ -317,17 +360,28 @@ fn speak(cfg: &Config, text: &str, out: Option<&str>, raw: bool) -> Result<(), F
         }
         return Err(fail(sink_code(&e), e));
     }
+    let interrupted = matches!(result, Err(EngineError::Cancelled)) && INTERRUPTED.load(Ordering::Relaxed);
     let report = match result {
-        Ok(r) => r,
+        Ok(r) => Some(r),
+        Err(_) if interrupted => None,
         Err(e) => {
             sink.abort();
             return Err(fail(engine_code(&e), e));
         }
     };
+    // Finish the output (fade-out, drain, WAV header) also after an interrupt: what was spoken
+    // stays a valid file.
     let stats = match sink.finish() {
         Ok(s) => s,
         Err(e) if e.is_broken_pipe() => return Ok(()),
         Err(e) => return Err(fail(sink_code(&e), e)),
+    };
+    drop(sink);
+    if let Some(f) = file_out {
+        f.commit().map_err(|e| fail(EXIT_INPUT, e))?;
+    }
+    let Some(report) = report else {
+        return Err(fail(EXIT_INTERRUPTED, anyhow::anyhow!("interrupted; the audio so far was finished cleanly")));
     };
     let audio_s = report.samples as f64 / f64::from(rate);
     log::info!(
@@ -340,11 +394,64 @@ fn speak(cfg: &Config, text: &str, out: Option<&str>, raw: bool) -> Result<(), F
         stats.xruns
     );
     log::debug!("step statistics:\n{}", report.stats);
+    if report.stop == StopReason::Capacity {
+        return Err(fail(
+            EXIT_INPUT,
+            anyhow::anyhow!(
+                "the text did not fit: the KV cache (synthesis.kv_capacity = {}) filled after {} frames; raise it or split the text",
+                cfg.synthesis.kv_capacity,
+                report.frames
+            ),
+        ));
+    }
     if let Some(path) = out.filter(|p| *p != "-") {
         eprintln!("wrote {path} ({audio_s:.2} s)");
     }
     let _ = std::io::stdout().flush();
     Ok(())
+}
+
+/// A WAV file written under a temporary name in the same folder and renamed into place only
+/// when the utterance finished: a failure never leaves a truncated file or destroys an
+/// existing one. Device nodes and FIFOs (`/dev/null`, a named pipe) are written directly.
+struct FileOut {
+    target: PathBuf,
+    temp: Option<PathBuf>,
+}
+
+impl FileOut {
+    fn new(target: &Path) -> anyhow::Result<Self> {
+        if target.as_os_str().is_empty() {
+            anyhow::bail!("--out needs a file name (or - for standard output)");
+        }
+        match std::fs::metadata(target) {
+            Ok(m) if m.is_dir() => anyhow::bail!("--out {}: is a directory", target.display()),
+            Ok(m) if !m.is_file() => return Ok(FileOut { target: target.to_owned(), temp: None }),
+            _ => {}
+        }
+        let name = target.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default();
+        let temp = target.with_file_name(format!(".{name}.partial-{}", std::process::id()));
+        Ok(FileOut { target: target.to_owned(), temp: Some(temp) })
+    }
+
+    fn write_path(&self) -> &Path {
+        self.temp.as_deref().unwrap_or(&self.target)
+    }
+
+    fn commit(mut self) -> anyhow::Result<()> {
+        if let Some(t) = self.temp.take() {
+            std::fs::rename(&t, &self.target).map_err(|e| anyhow::anyhow!("--out {}: cannot rename into place: {e}", self.target.display()))?;
+        }
+        Ok(())
+    }
+}
+
+impl Drop for FileOut {
+    fn drop(&mut self) {
+        if let Some(t) = &self.temp {
+            let _ = std::fs::remove_file(t);
+        }
+    }
 }
 
 fn print_info(dir: &Path, m: &engine::Manifest) -> std::io::Result<()> {

@@ -387,8 +387,15 @@ impl Manifest {
     /// # Errors
     /// As [`Manifest::load`], without the file checks.
     pub fn parse(text: &str, path: &Path) -> Result<Self, ManifestError> {
-        let m: Manifest =
-            toml::from_str(text).map_err(|e| ManifestError::Parse { path: path.to_owned(), message: e.to_string() })?;
+        let m: Manifest = toml::from_str(text).map_err(|e| {
+            // one line: "line N: message" (toml's own rendering quotes the source over several lines)
+            let line = e.span().map(|s| text[..s.start.min(text.len())].matches('\n').count() + 1);
+            let message = match line {
+                Some(l) => format!("line {l}: {}", e.message()),
+                None => e.message().to_owned(),
+            };
+            ManifestError::Parse { path: path.to_owned(), message }
+        })?;
         m.validate().map_err(|message| ManifestError::Invalid { path: path.to_owned(), message })?;
         Ok(m)
     }
@@ -462,6 +469,25 @@ impl Manifest {
         }
         if !self.graphs.contains_key(&self.vocoder.graph) {
             return Err(format!("vocoder.graph = {:?} is not in [graphs]", self.vocoder.graph));
+        }
+        let st = &self.sampling.talker;
+        let sp = &self.sampling.code_predictor;
+        for (key, t, p) in [("talker", st.temperature, st.top_p), ("code_predictor", sp.temperature, sp.top_p)] {
+            if !(t.is_finite() && t > 0.0) {
+                return Err(format!("sampling.{key}.temperature = {t} must be a positive number"));
+            }
+            if !(p > 0.0 && p <= 1.0) {
+                return Err(format!("sampling.{key}.top_p = {p} must be in (0, 1]"));
+            }
+        }
+        if !(st.repetition_penalty.is_finite() && st.repetition_penalty > 0.0) {
+            return Err(format!("sampling.talker.repetition_penalty = {} must be a positive number", st.repetition_penalty));
+        }
+        if st.max_new_tokens == 0 || st.min_new_tokens > st.max_new_tokens {
+            return Err(format!(
+                "sampling.talker: max_new_tokens = {} must be at least 1 and at least min_new_tokens = {}",
+                st.max_new_tokens, st.min_new_tokens
+            ));
         }
         if self.vocoder.ramp.is_empty() || self.vocoder.ramp.contains(&0) {
             return Err("vocoder.ramp must list positive chunk sizes".into());

@@ -96,6 +96,26 @@ fn wait(d: Duration) {
     thread::park_timeout(d);
 }
 
+/// Push `item`, waiting while the queue is full (backpressure); gives up when `cancelled()`.
+fn push<T, const N: usize>(
+    tx: &mut heapless::spsc::Producer<'_, T, N>,
+    mut item: T,
+    cancelled: &dyn Fn() -> bool,
+) -> Result<(), EngineError> {
+    loop {
+        match tx.enqueue(item) {
+            Ok(()) => return Ok(()),
+            Err(back) => {
+                item = back;
+                if cancelled() {
+                    return Err(EngineError::Cancelled);
+                }
+                wait(Duration::from_millis(1));
+            }
+        }
+    }
+}
+
 impl Engine {
     /// Open `dir` and build the decoder, vocoder, queues and buffers.
     ///
@@ -199,9 +219,7 @@ impl Engine {
                         if cancelled() {
                             return Err(EngineError::Cancelled);
                         }
-                        let t = Instant::now();
                         let Some(frame) = decoder.next_frame()? else { break };
-                        let _ = t;
                         let ft = decoder.last_timing();
                         predictor.record(ft.predictor);
                         sampling.record(ft.sampling);
@@ -209,19 +227,7 @@ impl Engine {
                             talker.record(tt);
                         }
                         let tw = Instant::now();
-                        let mut item = frame;
-                        loop {
-                            match f_tx.enqueue(item) {
-                                Ok(()) => break,
-                                Err(back) => {
-                                    item = back;
-                                    if cancelled() {
-                                        return Err(EngineError::Cancelled);
-                                    }
-                                    wait(Duration::from_millis(1));
-                                }
-                            }
-                        }
+                        push(&mut f_tx, frame, &cancelled)?;
                         frame_queue_wait.record(tw.elapsed());
                         n += 1;
                     }
@@ -281,19 +287,7 @@ impl Engine {
                         voc_stat.record(tv.elapsed());
                         r?;
                         pending -= n;
-                        let mut msg = (buf, spf_n, done_frames, n);
-                        loop {
-                            match p_tx.enqueue(msg) {
-                                Ok(()) => break,
-                                Err(back) => {
-                                    msg = back;
-                                    if cancelled() {
-                                        return Err(EngineError::Cancelled);
-                                    }
-                                    wait(Duration::from_millis(1));
-                                }
-                            }
-                        }
+                        push(&mut p_tx, (buf, spf_n, done_frames, n), &cancelled)?;
                         me.unpark();
                         done_frames += n;
                     }

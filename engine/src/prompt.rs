@@ -37,6 +37,10 @@ pub const CAP_BASE_FRAMES: usize = 40;
 /// Frame cap per text token (reference.py `CAP_FRAMES_PER_TEXT_TOKEN`).
 pub const CAP_FRAMES_PER_TEXT_TOKEN: usize = 10;
 
+/// Characters that print nothing and are not `White_Space`: zero-width space/joiners, word
+/// joiner, BOM. A text made only of these (and whitespace) has nothing to say.
+pub const INVISIBLE: [char; 5] = ['\u{200B}', '\u{200C}', '\u{200D}', '\u{2060}', '\u{FEFF}'];
+
 /// Tokens before the text in the chat-wrapped ids (`<|im_start|>`, `assistant`, `\n`).
 const ROLE_TOKENS: usize = 3;
 /// Tokens after the text (`<|im_end|>`, `\n`, `<|im_start|>`, `assistant`, `\n`).
@@ -330,7 +334,7 @@ impl Prompter {
             return Err(PromptError::TextTooLong { chars, limit: MAX_TEXT_CHARS });
         }
         let text = clean_text(text);
-        if text.trim().is_empty() {
+        if text.chars().all(|c| c.is_whitespace() || INVISIBLE.contains(&c)) {
             return Err(PromptError::BlankText);
         }
         let wrapped = format!("<|im_start|>assistant\n{text}<|im_end|>\n<|im_start|>assistant\n");

@@ -210,6 +210,16 @@ pub fn sanitize_file(input: &Path, output: &Path) -> Result<SanitizeReport, Sani
             "the output is a directory",
         )));
     }
+    // The output is replaced by a rename: only ever replace a regular file, never a device node,
+    // a FIFO or a symlink (renaming over /dev/full would destroy the node).
+    if let Ok(meta) = fs::symlink_metadata(output)
+        && !meta.file_type().is_file()
+    {
+        return Err(write_err(io::Error::new(
+            io::ErrorKind::InvalidInput,
+            "the output exists and is not a regular file (a device, FIFO or symlink); choose another path",
+        )));
+    }
     let out_dir = parent_dir(output);
     let out_dir_canon = out_dir.canonicalize().map_err(write_err)?;
     let in_dir = parent_dir(input);

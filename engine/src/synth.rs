@@ -51,7 +51,10 @@ pub enum EngineError {
     /// The vocoder failed or returned the wrong number of samples.
     #[error("vocoder: {0}")]
     Vocoder(String),
-    /// The bundle or the settings are not usable together.
+    /// The bundle's parts do not fit together (manifest against graphs or tokenizer).
+    #[error("{0}")]
+    Bundle(String),
+    /// The request does not fit the settings (prompt longer than one prefill, bad ramp).
     #[error("{0}")]
     Config(String),
     /// The request was cancelled.
@@ -106,11 +109,14 @@ impl Bundle {
         let t0 = Instant::now();
         let manifest = Manifest::load(dir)?;
         let tables = Arc::new(Tables::open(dir, &manifest)?);
-        let prompter = Arc::new(Prompter::new(dir, &manifest)?);
+        let prompter = Arc::new(Prompter::new(dir, &manifest).map_err(|e| EngineError::Bundle(e.to_string()))?);
         let g = |name: &str| -> Result<Graph, EngineError> {
-            let info = manifest.graphs.get(name).ok_or_else(|| EngineError::Config(format!("bundle.toml has no graph {name:?}")))?;
+            let info = manifest.graphs.get(name).ok_or_else(|| EngineError::Bundle(format!("bundle.toml has no graph {name:?}")))?;
             Ok(graph::load(dir, name, info)?)
         };
+        for (key, stack) in [("talker", &manifest.talker), ("code_predictor", &manifest.code_predictor)] {
+            check_caches(dir, &manifest, key, stack)?;
+        }
         let talker = g(&manifest.talker.graph)?;
         let predictor = g(&manifest.code_predictor.graph)?;
         let vocoder = g(&manifest.vocoder.graph)?;
@@ -128,6 +134,39 @@ impl Bundle {
         );
         Ok(Bundle { dir: dir.to_owned(), manifest, tables, prompter, talker, predictor, vocoder, load_seconds })
     }
+}
+
+/// Every layer's declared cache inputs must match the manifest's cache kind: a `full` layer takes
+/// `[1, past, KV, head_dim]`, a `sliding` one `[1, window - 1, KV, head_dim]`. Checked before any
+/// buffer is sized from the manifest, so an absurd window is an error, not an allocation.
+fn check_caches(dir: &Path, m: &Manifest, key: &str, stack: &crate::manifest::StackInfo) -> Result<(), EngineError> {
+    use crate::manifest::{CacheKind, Dim};
+    let file = dir.join("bundle.toml");
+    let g = m.graphs.get(&stack.graph).ok_or_else(|| EngineError::Bundle(format!("{}: {key}.graph {:?} is not in [graphs]", file.display(), stack.graph)))?;
+    for (i, kind) in stack.cache.iter().enumerate() {
+        for kv in ["k", "v"] {
+            let name = format!("{kv}_cache_{i}");
+            let spec = g.inputs.iter().find(|t| t.name == name).ok_or_else(|| {
+                EngineError::Bundle(format!("{}: graph {} has no input {name} for {key}.cache[{i}]", file.display(), stack.graph))
+            })?;
+            let rows_ok = match (kind, spec.shape.get(1)) {
+                (CacheKind::Full, Some(Dim::Symbol(_))) => true,
+                (CacheKind::Sliding { window }, Some(Dim::Fixed(r))) => u64::from(*window) == r + 1,
+                _ => false,
+            };
+            let tail = spec.shape.get(2..) == Some(&[Dim::Fixed(u64::from(stack.kv_heads)), Dim::Fixed(u64::from(stack.head_dim))][..]);
+            if !rows_ok || !tail || spec.shape.len() != 4 {
+                return Err(EngineError::Bundle(format!(
+                    "{}: {key}.cache[{i}] is {kind:?} with {} kv heads x {}, but graph input {name} has shape {:?}",
+                    file.display(),
+                    stack.kv_heads,
+                    stack.head_dim,
+                    spec.shape
+                )));
+            }
+        }
+    }
+    Ok(())
 }
 
 /// What to say and how.
@@ -165,6 +204,9 @@ pub enum StopReason {
     Forced,
     /// The runaway frame cap was reached (logged as a warning).
     Cap,
+    /// The KV cache capacity (`synthesis.kv_capacity`) ended the utterance before the text was
+    /// spoken: the text is too long for the configured capacity.
+    Capacity,
 }
 
 /// Where the time of the last frame went.
@@ -200,6 +242,8 @@ pub struct Decoder {
     rng: Option<SplitMix64>,
     /// Talker KV capacity in positions.
     capacity: usize,
+    /// The frame cap comes from the KV capacity, not from the text.
+    capacity_limited: bool,
     cap: usize,
     force_eos_at: Option<usize>,
     pending_c0: Option<u32>,
@@ -244,6 +288,7 @@ impl Decoder {
             trailing: Vec::with_capacity(cap),
             rng: None,
             capacity: cap,
+            capacity_limited: false,
             cap: 0,
             force_eos_at: None,
             pending_c0: None,
@@ -288,15 +333,17 @@ impl Decoder {
         self.prefill.resize(rows * h, 0.0);
         for (r, row) in layout.rows.iter().enumerate() {
             let out = &mut self.prefill[r * h..(r + 1) * h];
-            b.tables.add(Embedding::Text(row.text), out).map_err(|e| EngineError::Config(e.to_string()))?;
+            b.tables.add(Embedding::Text(row.text), out).map_err(|e| EngineError::Bundle(e.to_string()))?;
             if let Some(c) = row.codec {
-                b.tables.add(Embedding::Codec(c), out).map_err(|e| EngineError::Config(e.to_string()))?;
+                b.tables.add(Embedding::Codec(c), out).map_err(|e| EngineError::Bundle(e.to_string()))?;
             }
         }
         self.trailing.extend_from_slice(&layout.trailing);
         let formula = crate::prompt::frame_cap(layout.n_text_tokens(), b.manifest.sampling.talker.max_new_tokens);
         let room = self.capacity.saturating_sub(rows);
-        self.cap = req.max_frames.unwrap_or(formula).min(room);
+        let wanted = req.max_frames.unwrap_or(formula);
+        self.cap = wanted.min(room);
+        self.capacity_limited = wanted > room;
         self.force_eos_at = req.force_eos_at;
         self.rng = req.seed.map(SplitMix64::new);
         let outputs = self.talker.step(&self.prefill, rows, None)?;
@@ -317,8 +364,7 @@ impl Decoder {
             self.done = Some(StopReason::Forced);
             None
         } else if frame >= self.cap {
-            log::warn!("frame cap of {} frames reached without eos; ending the utterance (runaway guard)", self.cap);
-            self.done = Some(StopReason::Cap);
+            self.done = Some(self.cap_reached());
             None
         } else {
             let id = self.sampler.choose_c0(&mut self.logits[..vocab], &self.history, self.rng.as_mut())?;
@@ -331,6 +377,21 @@ impl Decoder {
         };
         self.pending_c0 = c0;
         Ok(())
+    }
+
+    fn cap_reached(&self) -> StopReason {
+        if self.capacity_limited {
+            log::warn!(
+                "the KV cache is full after {} frames ({} positions): the rest of the text is not spoken; \
+                 raise synthesis.kv_capacity or split the text",
+                self.cap,
+                self.capacity
+            );
+            StopReason::Capacity
+        } else {
+            log::warn!("frame cap of {} frames reached without eos; ending the utterance (runaway guard)", self.cap);
+            StopReason::Cap
+        }
     }
 
     /// Why the loop stopped, once it has.
@@ -346,7 +407,7 @@ impl Decoder {
         let Some(c0) = self.pending_c0.take() else { return Ok(None) };
         let b = Arc::clone(&self.bundle);
         let h = self.hidden;
-        let map = |e: crate::tables::OutOfRange| EngineError::Config(e.to_string());
+        let map = |e: crate::tables::OutOfRange| EngineError::Bundle(e.to_string());
         // code predictor: fresh cache, 2-position prefill [past_hidden, C(c0)], head 0
         let mut frame: Frame = [0; CODEBOOKS];
         frame[0] = c0;
@@ -389,8 +450,7 @@ impl Decoder {
         if self.force_eos_at == Some(frame_no) {
             self.done = Some(StopReason::Forced);
         } else if frame_no >= self.cap {
-            log::warn!("frame cap of {} frames reached without eos; ending the utterance (runaway guard)", self.cap);
-            self.done = Some(StopReason::Cap);
+            self.done = Some(self.cap_reached());
         } else {
             let tt = Instant::now();
             let outputs = self.talker.step(&self.next, 1, None)?;

@@ -168,6 +168,23 @@ fn broken_bundles_are_refused_with_the_file_named() {
     });
     let err = Bundle::open(&dir).unwrap_err();
     assert!(err.to_string().contains("input cos has shape"), "{err}");
+    // a sliding window that contradicts the graph's ring size is refused before anything is sized
+    let dir = broken_copy("window-mismatch", |d| {
+        let p = d.join("bundle.toml");
+        let t = std::fs::read_to_string(&p).unwrap().replace("{ kind = \"full\" },\n]\n\n[code_predictor]", "{ kind = \"sliding\", window = 20000000 },\n]\n\n[code_predictor]");
+        std::fs::write(&p, t).unwrap();
+    });
+    let err = Bundle::open(&dir).unwrap_err();
+    assert!(matches!(err, EngineError::Bundle(_)), "{err:?}");
+    assert!(err.to_string().contains("talker.cache[1]"), "{err}");
+    // sampling defaults that cannot work are refused by name
+    let dir = broken_copy("bad-sampling", |d| {
+        let p = d.join("bundle.toml");
+        let t = std::fs::read_to_string(&p).unwrap().replacen("temperature = 0.9", "temperature = -1.0", 1);
+        std::fs::write(&p, t).unwrap();
+    });
+    let err = Bundle::open(&dir).unwrap_err();
+    assert!(err.to_string().contains("sampling.talker.temperature = -1"), "{err}");
     // a missing table file
     let dir = broken_copy("no-tables", |d| std::fs::remove_file(d.join("tables.safetensors")).unwrap());
     let err = Bundle::open(&dir).unwrap_err();

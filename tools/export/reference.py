@@ -265,6 +265,9 @@ def top_k_filter(logits: np.ndarray, k: int) -> np.ndarray:
 
 #: Longest text one request may carry, in characters (shared with engine::prompt::MAX_TEXT_CHARS).
 MAX_TEXT_CHARS = 20_000
+#: Characters that print nothing and are not whitespace (engine::prompt::INVISIBLE): zero-width
+#: space/joiners, word joiner, BOM. A text of only these and whitespace has nothing to say.
+INVISIBLE = "\u200b\u200c\u200d\u2060\ufeff"
 
 
 def clean_text(text: str) -> str:
@@ -464,7 +467,7 @@ class Reference:
         if len(text) > MAX_TEXT_CHARS:
             raise ValueError(f"text is {len(text)} characters long; the limit is {MAX_TEXT_CHARS} characters (split it)")
         text = clean_text(text)
-        if not text.strip():
+        if all(c.isspace() or c in INVISIBLE for c in text):
             raise ValueError("text has nothing to say (only whitespace or control characters)")
         wrapped = f"<|im_start|>assistant\n{text}<|im_end|>\n<|im_start|>assistant\n"
         ids = self.tokenizer.encode(wrapped, add_special_tokens=False).ids
