@@ -224,10 +224,14 @@ fn run(cli: Cli) -> Result<(), Failure> {
                 seed,
                 mode,
                 volume,
-                sampling: greedy.then_some(Sampling::Greedy),
+                // --seed asks for sampling even when the config says greedy
+                sampling: if greedy { Some(Sampling::Greedy) } else { seed.map(|_| Sampling::Sample) },
                 ..CliOverrides::default()
             };
             cfg.apply_cli(&overrides).map_err(|e| fail(EXIT_INPUT, e))?;
+            if (out.is_some() || raw) && overrides.device.is_some() {
+                log::warn!("--device is ignored: the output goes to {}", if raw { "standard output" } else { "--out" });
+            }
             let text = read_text(text)?;
             speak(&cfg, &text, out.as_deref(), raw)
         }
