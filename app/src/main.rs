@@ -128,10 +128,16 @@ fn main() -> ExitCode {
     let cli = match Cli::try_parse() {
         Ok(c) => c,
         Err(e) => {
-            // clap prints help/version to stdout with exit 0, usage errors to stderr with exit 2
-            let code = e.exit_code();
-            let _ = e.print();
-            return ExitCode::from(u8::try_from(code).unwrap_or(EXIT_INPUT));
+            use clap::error::ErrorKind;
+            if matches!(e.kind(), ErrorKind::DisplayHelp | ErrorKind::DisplayVersion | ErrorKind::DisplayHelpOnMissingArgumentOrSubcommand) {
+                let _ = e.print();
+                return ExitCode::from(u8::try_from(e.exit_code()).unwrap_or(EXIT_INPUT));
+            }
+            // a usage error: one line, like every other error
+            let text = e.render().to_string();
+            let first = text.lines().next().unwrap_or("error: bad arguments").trim_end();
+            eprintln!("{first} (see herald --help)");
+            return ExitCode::from(EXIT_INPUT);
         }
     };
     if let Err(e) = ctrlc::set_handler(|| {
