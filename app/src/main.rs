@@ -90,6 +90,8 @@ enum Command {
     },
     /// List ALSA playback PCMs.
     Devices,
+    /// Print this board's hardware profile (or HERALD_HW_PROFILE's) and the derived thread split.
+    Probe,
 }
 
 /// A failure with the exit code it maps to.
@@ -207,6 +209,17 @@ fn run(cli: Cli) -> Result<(), Failure> {
                     break; // the reader went away (e.g. `| head`)
                 }
             }
+            Ok(())
+        }
+        Command::Probe => {
+            init_logging("warn");
+            let p = board::probe::probe_system().map_err(|e| fail(EXIT_INPUT, e))?;
+            let (talker, vocoder) = p.thread_split();
+            let json = p.to_json();
+            let mut o = std::io::stdout().lock();
+            let _ = writeln!(o, "{}", p.describe());
+            let _ = writeln!(o, "threads     talker stage on CPUs {talker:?}, vocoder stage on CPUs {vocoder:?}");
+            let _ = writeln!(o, "{json}");
             Ok(())
         }
         Command::Info { bundle } => {

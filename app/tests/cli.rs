@@ -218,3 +218,23 @@ fn documented_exit_codes_with_one_line_reasons() {
     assert!(o.status.success(), "{}", stderr(&o));
     assert!(d.join("t.onnx").is_file());
 }
+
+#[test]
+fn probe_reports_this_board_and_honours_the_override() {
+    let o = herald(&["probe"], &[], None);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let out = String::from_utf8_lossy(&o.stdout).into_owned();
+    assert!(out.starts_with("class=") && out.contains("source=probe"), "{out}");
+    let d = tmp("probe");
+    let p = d.join("rb3.json");
+    std::fs::write(&p, r#"{"class":"snapdragon_npu","arch":"aarch64","n_logical":8,"clusters":[{"max_khz":2707200,"cpus":[7]},{"max_khz":1958400,"cpus":[0,1,2,3]}]}"#).unwrap();
+    let o = herald(&["probe"], &[("HERALD_HW_PROFILE", p.to_str().unwrap())], None);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let out = String::from_utf8_lossy(&o.stdout).into_owned();
+    assert!(out.contains("class=snapdragon_npu") && out.contains("source=override:"), "{out}");
+    // one prime core: both stages share it
+    assert!(out.contains("talker stage on CPUs [7], vocoder stage on CPUs [7]"), "{out}");
+    let o = herald(&["probe"], &[("HERALD_HW_PROFILE", "/nonexistent/profile.json")], None);
+    assert_eq!(o.status.code(), Some(2));
+    assert!(stderr(&o).contains("/nonexistent/profile.json"));
+}

@@ -3,3 +3,4 @@
 
 pub mod audio;
 pub mod pcm;
+pub mod probe;
