@@ -18,6 +18,8 @@ use std::time::{Duration, Instant};
 
 use heapless::spsc::Queue;
 
+use crate::metrics::PlaybackMetrics;
+use crate::placement::{StagePlacement, allowed_cpus};
 use crate::stats::StepStats;
 use crate::synth::{Bundle, ChunkSchedule, Decoder, EngineError, EngineSettings, Frame, Request, StopReason, Vocoder};
 
@@ -60,6 +62,8 @@ pub struct Report {
     pub chunk_times: Vec<(f64, usize)>,
     /// Per-stage timing counters.
     pub stats: StepStats,
+    /// TTFA, playback start, stall and RTF of the chunk timeline ([`PlaybackMetrics`]).
+    pub playback: PlaybackMetrics,
 }
 
 impl Report {
@@ -83,6 +87,8 @@ struct Shared {
 pub struct Engine {
     bundle: Arc<Bundle>,
     ramp: Vec<usize>,
+    talker_place: StagePlacement,
+    vocoder_place: StagePlacement,
     shared: Mutex<Shared>,
 }
 
@@ -149,7 +155,86 @@ impl Engine {
             stats: StepStats::new(frames),
             window: Vec::with_capacity(left_context + max_chunk),
         };
-        Ok(Engine { bundle, ramp, shared: Mutex::new(shared) })
+        let (talker_place, vocoder_place) = if settings.talker_cpus.is_empty() && settings.vocoder_cpus.is_empty() {
+            (StagePlacement::default(), StagePlacement::default())
+        } else {
+            let allowed = allowed_cpus()?;
+            (
+                StagePlacement::new("talker", &settings.talker_cpus, &allowed)?,
+                StagePlacement::new("vocoder", &settings.vocoder_cpus, &allowed)?,
+            )
+        };
+        Ok(Engine { bundle, ramp, talker_place, vocoder_place, shared: Mutex::new(shared) })
+    }
+
+    /// Median seconds the vocoder stage takes for one chunk of each size in `sizes` (frames),
+    /// decoded with a full left context, over `runs` runs (after one warm-up run), on the
+    /// vocoder stage's CPUs. For calibration: the cost grows with the window, `left context +
+    /// chunk`, so small chunks cost more per frame.
+    ///
+    /// # Errors
+    /// [`EngineError::Config`] for a size of 0 or above the largest chunk of the ramp; vocoder
+    /// errors.
+    pub fn vocoder_cost(&self, sizes: &[usize], runs: usize) -> Result<Vec<f64>, EngineError> {
+        let mut guard = self.lock();
+        let sh = &mut *guard;
+        let max = sh.schedule.max_chunk();
+        if let Some(bad) = sizes.iter().find(|&&n| n == 0 || n > max) {
+            return Err(EngineError::Config(format!("chunk size {bad} is outside 1..={max} (the ramp's largest chunk)")));
+        }
+        let spf = self.bundle.manifest.audio.samples_per_frame as usize;
+        let vocoder = &mut sh.vocoder;
+        let place = &self.vocoder_place;
+        thread::scope(|s| {
+            let h = s.spawn(|| {
+                place.run(|| {
+                    let ctx = vocoder.left_context;
+                    let mut out = Vec::new();
+                    let mut times = Vec::with_capacity(runs.max(1));
+                    let mut medians = Vec::with_capacity(sizes.len());
+                    for &n in sizes {
+                        let window: Vec<Frame> = vec![[0u32; crate::synth::CODEBOOKS]; ctx + n];
+                        out.resize(n * spf, 0.0f32);
+                        vocoder.decode(&window, n, &mut out)?;
+                        times.clear();
+                        for _ in 0..runs.max(1) {
+                            let t = Instant::now();
+                            vocoder.decode(&window, n, &mut out)?;
+                            times.push(t.elapsed().as_secs_f64());
+                        }
+                        times.sort_by(f64::total_cmp);
+                        medians.push(times[times.len() / 2]);
+                    }
+                    Ok(medians)
+                })
+            });
+            h.join().unwrap_or_else(|_| Err(EngineError::Config("vocoder timing thread panicked".into())))
+        })
+    }
+
+    /// Use another chunk ramp from the next utterance on (calibration compares ramps on one
+    /// loaded engine). Buffers were sized for the ramp given at load, so the new ramp's largest
+    /// chunk may not exceed the old one's.
+    ///
+    /// # Errors
+    /// [`EngineError::Config`] for an invalid ramp or one with a larger chunk.
+    pub fn set_ramp(&mut self, ramp: &[usize]) -> Result<(), EngineError> {
+        let new = ChunkSchedule::new(ramp)?;
+        let old = ChunkSchedule::new(&self.ramp)?;
+        if new.max_chunk() > old.max_chunk() {
+            return Err(EngineError::Config(format!(
+                "ramp {ramp:?} has a chunk of {} frames; this engine was built for at most {}",
+                new.max_chunk(),
+                old.max_chunk()
+            )));
+        }
+        self.ramp = ramp.to_vec();
+        Ok(())
+    }
+
+    /// The chunk ramp in use, frames.
+    pub fn ramp(&self) -> &[usize] {
+        &self.ramp
     }
 
     /// The loaded bundle.
@@ -212,9 +297,11 @@ impl Engine {
             let decode_done = &decode_done;
             let cancelled = || cancel.load(Ordering::Relaxed) || stop.load(Ordering::Relaxed);
             // ---- decode thread
-            let dec = s.spawn(move || -> Result<usize, EngineError> {
+            let talker_place = &self.talker_place;
+            let vocoder_place = &self.vocoder_place;
+            let dec = thread::Builder::new().name("herald-decode".into()).spawn_scoped(s, move || -> Result<usize, EngineError> {
                 let mut n = 0;
-                let result = (|| {
+                let result = talker_place.run(|| {
                     loop {
                         if cancelled() {
                             return Err(EngineError::Cancelled);
@@ -232,16 +319,20 @@ impl Engine {
                         n += 1;
                     }
                     Ok(n)
-                })();
+                });
                 decode_done.store(true, Ordering::Release);
                 if result.is_err() {
                     stop.store(true, Ordering::Relaxed);
                 }
                 result
             });
+            let dec = match dec {
+                Ok(h) => h,
+                Err(e) => return Err(EngineError::Config(format!("cannot start the decode thread: {e}"))),
+            };
             // ---- vocoder thread
-            let voc = s.spawn(move || -> Result<usize, EngineError> {
-                let result = (|| {
+            let voc = thread::Builder::new().name("herald-vocoder".into()).spawn_scoped(s, move || -> Result<usize, EngineError> {
+                let result = vocoder_place.run(|| {
                     let mut done_frames = 0usize;
                     let mut pending = 0usize;
                     window.clear();
@@ -291,13 +382,21 @@ impl Engine {
                         me.unpark();
                         done_frames += n;
                     }
-                })();
+                });
                 if result.is_err() {
                     stop.store(true, Ordering::Relaxed);
                 }
                 me.unpark();
                 result
             });
+            let voc = match voc {
+                Ok(h) => h,
+                Err(e) => {
+                    // the decode thread sees `stop` at its next frame or full queue and ends
+                    stop.store(true, Ordering::Relaxed);
+                    return Err(EngineError::Config(format!("cannot start the vocoder thread: {e}")));
+                }
+            };
             // ---- caller: deliver chunks
             let mut index = 0;
             let mut delivered = 0usize;
@@ -356,6 +455,20 @@ impl Engine {
         let stop = decoder.stop_reason().unwrap_or(StopReason::Eos);
         let ttfa = report_chunks.first().map_or(0.0, |c| c.0);
         let total = report_chunks.last().map_or(0.0, |c| c.0);
-        Ok(Report { frames, samples, chunks: report_chunks.len(), stop, ttfa, total, chunk_times: report_chunks, stats: guard.stats.clone() })
+        let m = &self.bundle.manifest.audio;
+        let frame_seconds = f64::from(m.samples_per_frame) / f64::from(m.sample_rate);
+        let playback = PlaybackMetrics::from_chunks(&report_chunks, frame_seconds);
+        log::info!("{playback}");
+        Ok(Report {
+            frames,
+            samples,
+            chunks: report_chunks.len(),
+            stop,
+            ttfa,
+            total,
+            chunk_times: report_chunks,
+            stats: guard.stats.clone(),
+            playback,
+        })
     }
 }

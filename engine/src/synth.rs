@@ -71,11 +71,17 @@ pub struct EngineSettings {
     pub ramp: Option<Vec<usize>>,
     /// Vocoder left context in frames (default: the bundle's `vocoder.left_context_frames`).
     pub left_context: Option<usize>,
+    /// CPUs of the decode stage (talker + code predictor): its thread and its matrix-product
+    /// threads are pinned there. Empty: unpinned, the process-wide executor.
+    pub talker_cpus: Vec<usize>,
+    /// CPUs of the vocoder stage, disjoint from `talker_cpus` on a board with more than one.
+    /// Empty: unpinned.
+    pub vocoder_cpus: Vec<usize>,
 }
 
 impl Default for EngineSettings {
     fn default() -> Self {
-        EngineSettings { kv_capacity: 4096, ramp: None, left_context: None }
+        EngineSettings { kv_capacity: 4096, ramp: None, left_context: None, talker_cpus: Vec::new(), vocoder_cpus: Vec::new() }
     }
 }
 
