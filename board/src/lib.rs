@@ -1,6 +1,9 @@
 //! herald's device side: hardware probe, audio sinks (ALSA, WAV, null), GPIO and persistent
 //! state. Sinks take plain sample slices; this crate never runs a model.
 
+pub mod amp;
 pub mod audio;
+pub mod calibration;
+pub mod derive;
 pub mod pcm;
 pub mod probe;

@@ -203,6 +203,9 @@ pub enum SinkError {
     /// Bad settings or calls in the wrong order.
     #[error("audio output: {0}")]
     Config(String),
+    /// The amplifier-enable GPIO line failed ([`crate::amp`]); a device error (exit 3).
+    #[error(transparent)]
+    Amplifier(Box<crate::amp::AmpError>),
 }
 
 impl SinkError {
@@ -215,6 +218,7 @@ impl SinkError {
             SinkError::Alsa { .. } | SinkError::Stalled { .. } => SinkErrorKind::Device,
             SinkError::Io { .. } | SinkError::Wav { .. } => SinkErrorKind::Output,
             SinkError::Resampler { .. } | SinkError::Config(_) => SinkErrorKind::Config,
+            SinkError::Amplifier(e) => e.kind(),
         }
     }
 
