@@ -52,6 +52,12 @@ pub const KV_CAPACITY: RangeInclusive<usize> = 64..=65536;
 pub const SEED: RangeInclusive<u64> = 0..=(i64::MAX as u64);
 /// `runtime.threads` (0 = one per available core).
 pub const THREADS: RangeInclusive<usize> = 0..=256;
+/// Default `runtime.calibration_dir`.
+pub const DEFAULT_CALIBRATION_DIR: &str = "/var/lib/herald/calibration";
+/// `amplifier.line`: line offset within the chip.
+pub const AMP_LINE: RangeInclusive<u32> = 0..=4095;
+/// `amplifier.lead_ms`: how long before the first sample the amplifier is enabled.
+pub const AMP_LEAD_MS: RangeInclusive<u32> = 0..=5000;
 
 /// Every key, `section.name`, in documentation order. Sections are the prefixes, in this order.
 pub const KEYS: &[&str] = &[
@@ -73,6 +79,11 @@ pub const KEYS: &[&str] = &[
     "synthesis.left_context",
     "synthesis.kv_capacity",
     "runtime.threads",
+    "runtime.calibration_dir",
+    "amplifier.chip",
+    "amplifier.line",
+    "amplifier.active",
+    "amplifier.lead_ms",
     "log.level",
 ];
 
@@ -300,6 +311,16 @@ named! {
 }
 
 named! {
+    /// `amplifier.active`: the line level that enables the amplifier.
+    ActiveLevel {
+        /// Enabled when the line is high.
+        High = "high",
+        /// Enabled when the line is low (active-low enable, e.g. an SD/shutdown pin).
+        Low = "low",
+    }
+}
+
+named! {
     /// `log.level`.
     LogLevel {
         /// Errors only.
@@ -368,10 +389,25 @@ pub struct SynthesisConfig {
 }
 
 /// `[runtime]`.
-#[derive(Debug, Clone, Default, PartialEq)]
+#[derive(Debug, Clone, PartialEq)]
 pub struct RuntimeConfig {
     /// Compute threads; 0 = one per available core ([`RuntimeConfig::effective_threads`]).
     pub threads: usize,
+    /// Directory of the calibration files (`<fingerprint>.json`, `herald calibrate`).
+    pub calibration_dir: PathBuf,
+}
+
+/// `[amplifier]`: the optional amplifier-enable GPIO line.
+#[derive(Debug, Clone, PartialEq)]
+pub struct AmplifierConfig {
+    /// Label of the GPIO chip (`pinctrl-rp1` on a Pi 5); `None`: no amplifier line.
+    pub chip: Option<String>,
+    /// Line offset within the chip.
+    pub line: u32,
+    /// The level that enables the amplifier.
+    pub active: ActiveLevel,
+    /// Milliseconds the line is enabled before the first sample is written.
+    pub lead_ms: u32,
 }
 
 /// `[log]`.
@@ -392,6 +428,8 @@ pub struct Config {
     pub synthesis: SynthesisConfig,
     /// `[runtime]`.
     pub runtime: RuntimeConfig,
+    /// `[amplifier]`.
+    pub amplifier: AmplifierConfig,
     /// `[log]`.
     pub log: LogConfig,
     /// The sources applied, in order: `defaults`, `file PATH`, `env HERALD_…` (one per
@@ -439,6 +477,18 @@ impl Default for SynthesisConfig {
     }
 }
 
+impl Default for RuntimeConfig {
+    fn default() -> Self {
+        RuntimeConfig { threads: 0, calibration_dir: PathBuf::from(DEFAULT_CALIBRATION_DIR) }
+    }
+}
+
+impl Default for AmplifierConfig {
+    fn default() -> Self {
+        AmplifierConfig { chip: None, line: 0, active: ActiveLevel::High, lead_ms: 50 }
+    }
+}
+
 impl Default for LogConfig {
     fn default() -> Self {
         LogConfig { level: LogLevel::Info }
@@ -452,6 +502,7 @@ impl Default for Config {
             audio: AudioConfig::default(),
             synthesis: SynthesisConfig::default(),
             runtime: RuntimeConfig::default(),
+            amplifier: AmplifierConfig::default(),
             log: LogConfig::default(),
             source: vec!["defaults".into()],
             file: None,
@@ -560,6 +611,7 @@ struct Layer {
     audio: AudioLayer,
     synthesis: SynthesisLayer,
     runtime: RuntimeLayer,
+    amplifier: AmplifierLayer,
     log: LogLayer,
 }
 
@@ -602,6 +654,17 @@ struct SynthesisLayer {
 #[serde(default, deny_unknown_fields)]
 struct RuntimeLayer {
     threads: Option<i64>,
+    calibration_dir: Option<String>,
+}
+
+#[derive(Debug, Default, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+struct AmplifierLayer {
+    /// `Some("")` clears the chip.
+    chip: Option<String>,
+    line: Option<i64>,
+    active: Option<String>,
+    lead_ms: Option<i64>,
 }
 
 #[derive(Debug, Default, Deserialize)]
@@ -628,7 +691,9 @@ fn expected(key: &str) -> &'static str {
         | "synthesis.seed"
         | "synthesis.left_context"
         | "synthesis.kv_capacity"
-        | "runtime.threads" => "an integer",
+        | "runtime.threads"
+        | "amplifier.line"
+        | "amplifier.lead_ms" => "an integer",
         _ => "a string",
     }
 }
@@ -733,6 +798,11 @@ fn parse_into(layer: &mut Layer, key: &'static str, raw: &str) -> Result<(), Bad
         "synthesis.left_context" => layer.synthesis.left_context = Some(int()?),
         "synthesis.kv_capacity" => layer.synthesis.kv_capacity = Some(int()?),
         "runtime.threads" => layer.runtime.threads = Some(int()?),
+        "runtime.calibration_dir" => layer.runtime.calibration_dir = s(),
+        "amplifier.chip" => layer.amplifier.chip = s(),
+        "amplifier.line" => layer.amplifier.line = Some(int()?),
+        "amplifier.active" => layer.amplifier.active = s(),
+        "amplifier.lead_ms" => layer.amplifier.lead_ms = Some(int()?),
         "log.level" => layer.log.level = s(),
         _ => return Err((quoted(raw), "is not a setting".into())),
     }
@@ -985,7 +1055,8 @@ impl Config {
                 left_context: cli.left_context.map(wide),
                 kv_capacity: cli.kv_capacity.map(wide),
             },
-            runtime: RuntimeLayer { threads: cli.threads.map(wide) },
+            runtime: RuntimeLayer { threads: cli.threads.map(wide), calibration_dir: None },
+            amplifier: AmplifierLayer::default(),
             log: LogLayer { level: cli.log_level.map(|l| l.as_str().into()) },
         };
         if self.merge(layer, &|_| ORIGIN.to_string(), None)? > 0 {
@@ -1036,6 +1107,18 @@ impl Config {
         take!(l.synthesis.left_context, "synthesis.left_context", |v| int_in(v, &LEFT_CONTEXT) => self.synthesis.left_context);
         take!(l.synthesis.kv_capacity, "synthesis.kv_capacity", |v| int_in(v, &KV_CAPACITY) => self.synthesis.kv_capacity);
         take!(l.runtime.threads, "runtime.threads", |v| int_in(v, &THREADS) => self.runtime.threads);
+        take!(l.runtime.calibration_dir, "runtime.calibration_dir", |v: String| text(v).map(|v| {
+            let p = PathBuf::from(v);
+            let p = match base {
+                Some(d) if p.is_relative() => d.join(p),
+                _ => p,
+            };
+            std::path::absolute(&p).unwrap_or(p)
+        }) => self.runtime.calibration_dir);
+        take!(l.amplifier.chip, "amplifier.chip", |v: String| Ok::<_, Bad>(Some(v).filter(|s| !s.is_empty())) => self.amplifier.chip);
+        take!(l.amplifier.line, "amplifier.line", |v| int_in(v, &AMP_LINE) => self.amplifier.line);
+        take!(l.amplifier.active, "amplifier.active", name => self.amplifier.active);
+        take!(l.amplifier.lead_ms, "amplifier.lead_ms", |v| int_in(v, &AMP_LEAD_MS) => self.amplifier.lead_ms);
         take!(l.log.level, "log.level", name => self.log.level);
         for key in &set {
             self.origins.insert(key, origin(key));
@@ -1078,6 +1161,11 @@ impl Config {
             "synthesis.left_context" => i(wide(self.synthesis.left_context)),
             "synthesis.kv_capacity" => i(wide(self.synthesis.kv_capacity)),
             "runtime.threads" => i(wide(self.runtime.threads)),
+            "runtime.calibration_dir" => s(&self.runtime.calibration_dir.to_string_lossy()),
+            "amplifier.chip" => self.amplifier.chip.as_deref().and_then(s),
+            "amplifier.line" => i(self.amplifier.line.into()),
+            "amplifier.active" => s(self.amplifier.active.as_str()),
+            "amplifier.lead_ms" => i(self.amplifier.lead_ms.into()),
             "log.level" => s(self.log.level.as_str()),
             _ => None,
         }
@@ -1102,6 +1190,7 @@ impl Config {
                 let line = match self.value(&key) {
                     Some(v) => format!("{name} = {v}"),
                     None if key == "synthesis.seed" => "# seed: not set (a fresh seed per utterance)".into(),
+                    None if key == "amplifier.chip" => "# chip: not set (no amplifier line)".into(),
                     None => format!("# {name}: not set"),
                 };
                 let from = self.origin(&key);
@@ -1196,6 +1285,7 @@ mod tests {
         assert_eq!(a.audio, b.audio);
         assert_eq!(a.synthesis, b.synthesis);
         assert_eq!(a.runtime, b.runtime);
+        assert_eq!(a.amplifier, b.amplifier);
         assert_eq!(a.log, b.log);
     }
 
@@ -1324,6 +1414,11 @@ mod tests {
             ("synthesis.left_context", "32"),
             ("synthesis.kv_capacity", "2048"),
             ("runtime.threads", "2"),
+            ("runtime.calibration_dir", "/tmp/cal"),
+            ("amplifier.chip", "pinctrl-rp1"),
+            ("amplifier.line", "17"),
+            ("amplifier.active", "low"),
+            ("amplifier.lead_ms", "120"),
             ("log.level", "warn"),
         ];
         assert_eq!(values.len(), keys().count());
@@ -1408,14 +1503,14 @@ mod tests {
     fn unknown_sections_and_top_level_keys() {
         let msg = load_err("gpio.toml", "[audio]\n\n[gpio]\npin = 4\n");
         assert!(
-            msg.ends_with("gpio.toml:3: unknown section [gpio] (sections: model, audio, synthesis, runtime, log)"),
+            msg.ends_with("gpio.toml:3: unknown section [gpio] (sections: model, audio, synthesis, runtime, amplifier, log)"),
             "{msg}"
         );
         let msg = load_err("top.toml", "volume = 1.0\n");
         assert!(
             msg.ends_with(
                 "top.toml:1: key volume is outside any section (settings live in the sections [model], \
-                               [audio], [synthesis], [runtime], [log])"
+                               [audio], [synthesis], [runtime], [amplifier], [log])"
             ),
             "{msg}"
         );
@@ -1465,6 +1560,11 @@ mod tests {
         ("[synthesis]\nkv_capacity = 65537", "synthesis.kv_capacity = 65537 is out of range (64..=65536)"),
         ("[runtime]\nthreads = 1000", "runtime.threads = 1000 is out of range (0..=256)"),
         ("[runtime]\nthreads = -1", "runtime.threads = -1 is out of range (0..=256)"),
+        ("[runtime]\ncalibration_dir = 3", "runtime.calibration_dir = 3 has the wrong type (expected a string)"),
+        ("[amplifier]\nline = 4096", "amplifier.line = 4096 is out of range (0..=4095)"),
+        ("[amplifier]\nline = \"17\"", "amplifier.line = \"17\" has the wrong type (expected an integer)"),
+        ("[amplifier]\nactive = \"on\"", "amplifier.active = \"on\" is not one of: high, low"),
+        ("[amplifier]\nlead_ms = 5001", "amplifier.lead_ms = 5001 is out of range (0..=5000)"),
         ("[log]\nlevel = \"loud\"", "log.level = \"loud\" is not one of: error, warn, info, debug, trace"),
         ("[log]\nlevel = \"INFO\"", "log.level = \"INFO\" is not one of: error, warn, info, debug, trace"),
     ];
@@ -1637,8 +1737,8 @@ mod tests {
         assert!(SEED.contains(&a) && SEED.contains(&b));
         s.sampling = Sampling::Greedy;
         assert_eq!(s.utterance_seed(), None);
-        assert!(RuntimeConfig { threads: 0 }.effective_threads() >= 1);
-        assert_eq!(RuntimeConfig { threads: 3 }.effective_threads(), 3);
+        assert!(RuntimeConfig { threads: 0, ..Default::default() }.effective_threads() >= 1);
+        assert_eq!(RuntimeConfig { threads: 3, ..Default::default() }.effective_threads(), 3);
         let l = LogConfig { level: LogLevel::Warn };
         assert_eq!(l.filter(None), "warn");
         assert_eq!(l.filter(Some("")), "warn");
@@ -1693,6 +1793,7 @@ mod tests {
         let mut c = Config::default();
         c.synthesis.speaker = Some("s".into());
         c.synthesis.seed = Some(1);
+        c.amplifier.chip = Some("gpiochip-label".into());
         let printed = c.to_toml();
         // every key printed, parsed by serde (deny_unknown_fields) and DeTable check alike
         let layer: Layer = toml::from_str(&printed).unwrap();

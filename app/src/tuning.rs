@@ -1,0 +1,229 @@
+//! Board-aware engine settings: the hardware probe, the settings derived from it and the bundle
+//! (`board::derive`), and the stored calibration (`board::calibration`), turned into
+//! [`EngineSettings`] with a log of where each choice came from.
+//!
+//! Rules:
+//! - `runtime.threads = 0` (the default): the two stages are pinned to the derived CPU sets
+//!   (talker 2/3 of the big cluster, vocoder the rest); `runtime.threads = N`: no pinning, `N`
+//!   compute threads shared by both stages (for experiments and benchmarks).
+//! - KV capacity: `synthesis.kv_capacity`, lowered to what fits in memory; a bundle that does not
+//!   fit is refused before anything loads.
+//! - Chunk ramp: `synthesis.ramp` when it is set explicitly (file, environment, flag); else this
+//!   board's calibration for this bundle when one is stored; else the default.
+
+use std::path::{Path, PathBuf};
+
+use board::calibration::{self, Lookup};
+use board::derive::{self, Derived, DoesNotFit, Dtype, ModelFootprint};
+use board::probe::{HardwareProfile, ProbeError};
+use engine::manifest::CacheKind;
+use engine::{EngineSettings, Manifest};
+
+use crate::config::Config;
+
+/// Errors of [`tune`].
+#[derive(Debug, thiserror::Error)]
+pub enum TuneError {
+    /// The hardware probe or its override failed.
+    #[error(transparent)]
+    Probe(#[from] ProbeError),
+    /// The bundle does not fit this board's memory.
+    #[error(transparent)]
+    DoesNotFit(#[from] DoesNotFit),
+    /// The bundle's files could not be listed.
+    #[error("cannot read bundle {dir}: {source}")]
+    Bundle {
+        /// The bundle directory.
+        dir: PathBuf,
+        /// The I/O error.
+        #[source]
+        source: std::io::Error,
+    },
+}
+
+/// Where the chunk ramp came from.
+#[derive(Debug, Clone, PartialEq)]
+pub enum RampSource {
+    /// `synthesis.ramp` set explicitly; the calibration is not consulted.
+    Configured,
+    /// A stored calibration.
+    Calibrated(PathBuf),
+    /// No calibration file yet (the path it would have).
+    Default(PathBuf),
+    /// A file that could not be used, and why.
+    Ignored(String),
+}
+
+/// The probe, the derived settings and the engine settings built from them.
+#[derive(Debug, Clone)]
+pub struct Tuned {
+    /// The hardware profile (probe or `HERALD_HW_PROFILE`).
+    pub profile: HardwareProfile,
+    /// The derived settings.
+    pub derived: Derived,
+    /// 16-hex fingerprint of this board and bundle (the calibration file name).
+    pub fingerprint: String,
+    /// Where the ramp came from.
+    pub ramp_source: RampSource,
+    /// The engine settings.
+    pub settings: EngineSettings,
+    /// Compute threads for the process-wide executor (loading, and both stages when unpinned).
+    pub threads: usize,
+}
+
+/// What `dir`'s bundle needs in memory: every file of the bundle directory except the
+/// tokenizer and the memory-mapped text-embedding rows (of which a prompt touches a few), KV
+/// bytes per position over the talker's full-attention layers, and the fixed-size caches.
+///
+/// # Errors
+/// The directory cannot be listed.
+pub fn footprint(dir: &Path, m: &Manifest) -> std::io::Result<ModelFootprint> {
+    let dtype = if m.model.dtype == "fp16" { Dtype::Fp16 } else { Dtype::Fp32 };
+    let bytes = dtype.bytes();
+    let mut files = 0u64;
+    for e in std::fs::read_dir(dir)? {
+        let e = e?;
+        let md = e.metadata()?;
+        if md.is_file() && e.file_name() != m.tokenizer.file.as_str() {
+            files += md.len();
+        }
+    }
+    let table_bytes = if m.tables.dtype == "fp16" { 2 } else { 4 };
+    let text_rows: u64 = m.tables.text_embedding.shape.iter().product::<u64>() * table_bytes;
+    let per_layer = |s: &engine::manifest::StackInfo| 2 * u64::from(s.kv_heads) * u64::from(s.head_dim) * bytes;
+    let t = &m.talker;
+    let full = t.cache.iter().filter(|c| matches!(c, CacheKind::Full)).count() as u64;
+    let ring: u64 = t
+        .cache
+        .iter()
+        .map(|c| match c {
+            CacheKind::Sliding { window } => u64::from(window.saturating_sub(1)),
+            CacheKind::Full => 0,
+        })
+        .sum();
+    let cp = &m.code_predictor;
+    // the code predictor sees 2 + 14 positions per frame (docs/engine.md)
+    let fixed = ring * per_layer(t) + u64::from(cp.layers) * 16 * per_layer(cp);
+    Ok(ModelFootprint {
+        dtype,
+        weights_bytes: files.saturating_sub(text_rows),
+        kv_bytes_per_position: full * per_layer(t),
+        fixed_cache_bytes: fixed,
+        max_positions: u64::from(t.max_positions),
+    })
+}
+
+/// The bundle's identity for the fingerprint: its manifest text and the sizes of its files.
+/// Two copies of one bundle agree; a re-export with other dimensions or dtype does not.
+///
+/// # Errors
+/// The manifest or the directory cannot be read.
+pub fn bundle_id(dir: &Path) -> std::io::Result<String> {
+    let mut id = std::fs::read_to_string(dir.join("bundle.toml"))?;
+    let mut sizes: Vec<(String, u64)> = Vec::new();
+    for e in std::fs::read_dir(dir)? {
+        let e = e?;
+        let md = e.metadata()?;
+        if md.is_file() {
+            sizes.push((e.file_name().to_string_lossy().into_owned(), md.len()));
+        }
+    }
+    sizes.sort();
+    for (name, len) in sizes {
+        id.push_str(&format!("\n{name} {len}"));
+    }
+    Ok(id)
+}
+
+/// The allowed CPUs of this process, empty when unknown.
+fn allowed_cpus() -> Vec<usize> {
+    engine::placement::allowed_cpus().unwrap_or_else(|e| {
+        log::warn!("{e}; threads will not be pinned");
+        Vec::new()
+    })
+}
+
+/// Probe the board, derive the settings for the bundle in `dir` and look up the calibration.
+///
+/// # Errors
+/// [`TuneError::DoesNotFit`] (the caller exits with the bundle code), probe errors, an
+/// unreadable bundle directory.
+pub fn tune(cfg: &Config, dir: &Path, m: &Manifest) -> Result<Tuned, TuneError> {
+    let profile = board::probe::probe_system()?;
+    tune_for(cfg, dir, m, profile, &allowed_cpus())
+}
+
+/// [`tune`] with an explicit profile and CPU set (tests, `herald probe`).
+///
+/// # Errors
+/// As [`tune`].
+pub fn tune_for(
+    cfg: &Config,
+    dir: &Path,
+    m: &Manifest,
+    profile: HardwareProfile,
+    allowed: &[usize],
+) -> Result<Tuned, TuneError> {
+    let bundle_err = |source| TuneError::Bundle { dir: dir.to_owned(), source };
+    let fp = footprint(dir, m).map_err(bundle_err)?;
+    let derived = derive::derive(&profile, &fp, allowed, cfg.synthesis.kv_capacity as u64)?;
+    let bundle_id = bundle_id(dir).map_err(bundle_err)?;
+    let fingerprint = calibration::fingerprint(&profile, &bundle_id);
+    let steady = cfg.synthesis.ramp.last().copied().unwrap_or(25);
+    let (ramp, ramp_source) = if cfg.origin("synthesis.ramp") != "default" {
+        (cfg.synthesis.ramp.clone(), RampSource::Configured)
+    } else {
+        match calibration::load(&cfg.runtime.calibration_dir, &fingerprint, steady) {
+            Lookup::Found(cal, path) => (cal.schedule.ramp.clone(), RampSource::Calibrated(path)),
+            Lookup::Missing(path) => (cfg.synthesis.ramp.clone(), RampSource::Default(path)),
+            Lookup::Ignored(why) => (cfg.synthesis.ramp.clone(), RampSource::Ignored(why)),
+        }
+    };
+    let pinned = cfg.runtime.threads == 0;
+    let (talker_cpus, vocoder_cpus) =
+        if pinned { (derived.talker_cpus.clone(), derived.vocoder_cpus.clone()) } else { (Vec::new(), Vec::new()) };
+    let threads = if pinned { derived.talker_cpus.len().max(1) } else { cfg.runtime.effective_threads() };
+    let settings = EngineSettings {
+        kv_capacity: usize::try_from(derived.kv_capacity).unwrap_or(usize::MAX).max(64),
+        ramp: Some(ramp),
+        left_context: Some(cfg.synthesis.left_context),
+        talker_cpus,
+        vocoder_cpus,
+    };
+    Ok(Tuned { profile, derived, fingerprint, ramp_source, settings, threads })
+}
+
+impl Tuned {
+    /// Log the decisions: one line each, warnings for what the user should know.
+    pub fn log(&self) {
+        log::info!("board: {}", self.profile.describe());
+        if self.settings.talker_cpus.is_empty() {
+            log::info!("threads: {} compute thread(s), not pinned (runtime.threads is set)", self.threads);
+        } else {
+            log::info!(
+                "threads: talker stage on CPUs {:?}, vocoder stage on CPUs {:?}",
+                self.settings.talker_cpus,
+                self.settings.vocoder_cpus
+            );
+        }
+        log::info!(
+            "memory: budget {:.0} MiB, KV capacity {} positions, dtype {}",
+            self.derived.memory_budget_bytes as f64 / 1048576.0,
+            self.settings.kv_capacity,
+            self.derived.dtype.as_str()
+        );
+        for n in &self.derived.notes {
+            log::warn!("{n}");
+        }
+        let ramp = self.settings.ramp.as_deref().unwrap_or(&[]);
+        match &self.ramp_source {
+            RampSource::Configured => log::info!("chunk ramp {ramp:?} from synthesis.ramp"),
+            RampSource::Calibrated(p) => log::info!("using calibration {}: chunk ramp {ramp:?}", p.display()),
+            RampSource::Default(p) => log::info!(
+                "no calibration for this board and bundle ({} is absent): default chunk ramp {ramp:?}; run `herald calibrate`",
+                p.display()
+            ),
+            RampSource::Ignored(why) => log::warn!("ignoring calibration {why}; default chunk ramp {ramp:?}"),
+        }
+    }
+}

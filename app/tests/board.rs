@@ -1,0 +1,250 @@
+//! Board awareness end to end: `herald probe` derives settings for every recorded board
+//! snapshot (through HERALD_HW_PROFILE), a bundle that cannot fit is refused before anything is
+//! written, `herald calibrate --chart` stores a schedule that `speak` then uses (and says so),
+//! and a corrupt or foreign calibration file is ignored with one warning.
+
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
+
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output, Stdio};
+
+const HERALD: &str = env!("CARGO_BIN_EXE_herald");
+
+fn repo() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).parent().unwrap().to_path_buf()
+}
+
+fn bundle() -> PathBuf {
+    if let Some(d) = std::env::var_os("HERALD_TEST_BUNDLES").filter(|d| !d.is_empty()) {
+        return PathBuf::from(d).join("tiny-0.6b");
+    }
+    let out = PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join("board-bundle");
+    if !out.join("bundle.toml").is_file() {
+        let st = Command::new(repo().join("tools/export/export"))
+            .args(["export", "--tiny", "tiny-0.6b", "--seed", "7", "--quiet", "--out"])
+            .arg(&out)
+            .status()
+            .unwrap();
+        assert!(st.success());
+    }
+    out
+}
+
+fn tmp(name: &str) -> PathBuf {
+    let d = PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join("board").join(name);
+    let _ = std::fs::remove_dir_all(&d);
+    std::fs::create_dir_all(&d).unwrap();
+    d
+}
+
+fn herald(args: &[&str], env: &[(&str, &str)]) -> Output {
+    let mut c = Command::new(HERALD);
+    c.args(args).env_remove("RUST_LOG").env_remove("ALSA_CONFIG_PATH");
+    for (k, _) in std::env::vars() {
+        if k.starts_with("HERALD_") {
+            c.env_remove(k);
+        }
+    }
+    let empty = PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join("board-empty.toml");
+    std::fs::write(&empty, "").unwrap();
+    c.env("HERALD_CONFIG", &empty);
+    for (k, v) in env {
+        c.env(k, v);
+    }
+    c.stdin(Stdio::null()).output().unwrap()
+}
+
+fn text(b: &[u8]) -> String {
+    String::from_utf8_lossy(b).into_owned()
+}
+
+/// The JSON profile of a recorded board snapshot (board/tests/fixtures).
+fn snapshot_profile(name: &str, dir: &Path) -> PathBuf {
+    let p = board::probe::probe(&repo().join("board/tests/fixtures").join(name)).unwrap();
+    let path = dir.join(format!("{name}.json"));
+    std::fs::write(&path, p.to_json()).unwrap();
+    path
+}
+
+#[test]
+fn probe_derives_settings_for_every_snapshot() {
+    let d = tmp("probe");
+    let b = bundle();
+    // (snapshot, talker CPUs, vocoder CPUs) — the splits of board/tests/probe.rs
+    let cases = [
+        ("jetson-orin-nano", "[0, 1, 2, 3]", "[4, 5]", "jetson"),
+        ("rpi5", "[0, 1, 2]", "[3]", "arm64_cpu"),
+        ("rb3gen2", "[7]", "[7]", "snapdragon_npu"),
+        ("rk3588", "[4, 5, 6]", "[7]", "arm64_cpu"),
+        ("x86", "[0]", "[1]", "x86_cpu"),
+    ];
+    let mut prints = Vec::new();
+    for (name, t, v, class) in cases {
+        let profile = snapshot_profile(name, &d);
+        let o = herald(&["probe", "--bundle", b.to_str().unwrap()], &[("HERALD_HW_PROFILE", profile.to_str().unwrap())]);
+        assert!(o.status.success(), "{name}: {}", text(&o.stderr));
+        let out = text(&o.stdout);
+        assert!(out.contains(&format!("class={class}")), "{name}: {out}");
+        assert!(out.contains(&format!("derived     talker CPUs {t}, vocoder CPUs {v}")), "{name}: {out}");
+        assert!(out.contains("derived     memory budget") && out.contains("derived     KV capacity 4096 positions"), "{name}: {out}");
+        assert!(out.contains("calibration none yet"), "{name}: {out}");
+        let fp = out.lines().find_map(|l| l.strip_prefix("fingerprint ")).unwrap().trim().to_string();
+        assert_eq!(fp.len(), 16, "{out}");
+        prints.push(fp);
+    }
+    // five boards, five fingerprints
+    prints.sort();
+    prints.dedup();
+    assert_eq!(prints.len(), 5);
+    // the live board too
+    let o = herald(&["probe", "--bundle", b.to_str().unwrap()], &[]);
+    assert!(o.status.success(), "{}", text(&o.stderr));
+    assert!(text(&o.stdout).contains("source=probe") && text(&o.stdout).contains("derived     dtype fp32"));
+}
+
+#[test]
+fn a_bundle_that_cannot_fit_is_refused_before_any_output() {
+    let d = tmp("refuse");
+    // 1 GiB board with 600 MB available: 572 MiB - weights - 512 MiB - 1 GiB headroom < 0
+    let profile = d.join("small.json");
+    std::fs::write(
+        &profile,
+        r#"{"class":"arm64_cpu","arch":"aarch64","n_logical":4,"ram_total_bytes":1073741824,"ram_available_bytes":600000000}"#,
+    )
+    .unwrap();
+    let wav = d.join("out.wav");
+    let o = herald(
+        &["speak", "Hello.", "--bundle", bundle().to_str().unwrap(), "--out", wav.to_str().unwrap()],
+        &[("HERALD_HW_PROFILE", profile.to_str().unwrap())],
+    );
+    assert_eq!(o.status.code(), Some(4), "{}", text(&o.stderr));
+    let err = text(&o.stderr);
+    assert!(err.contains("does not fit in memory") && err.contains("572 MiB available") && err.contains("at least 256"), "{err}");
+    assert!(!wav.exists());
+    assert_eq!(std::fs::read_dir(&d).unwrap().count(), 1, "only the profile is left");
+}
+
+#[test]
+fn calibrate_stores_a_schedule_that_speak_uses() {
+    let d = tmp("calibrate");
+    let cal_dir = d.join("cal");
+    let chart = d.join("timeline.svg");
+    let b = bundle();
+    let env = [("HERALD_RUNTIME_CALIBRATION_DIR", cal_dir.to_str().unwrap())];
+    let o = herald(
+        &["calibrate", "--bundle", b.to_str().unwrap(), "--utterances", "2", "--chart", chart.to_str().unwrap()],
+        &env,
+    );
+    assert!(o.status.success(), "{}", text(&o.stderr));
+    let out = text(&o.stdout);
+    assert!(out.contains("formula     ramp [") && out.contains("schedule    ramp [") && out.contains("stored      "), "{out}");
+    // exactly one file, named by the fingerprint `probe` prints, no temporary left
+    let files: Vec<PathBuf> = std::fs::read_dir(&cal_dir).unwrap().map(|e| e.unwrap().path()).collect();
+    assert_eq!(files.len(), 1, "{files:?}");
+    let probe = text(&herald(&["probe", "--bundle", b.to_str().unwrap()], &env).stdout);
+    let fp = probe.lines().find_map(|l| l.strip_prefix("fingerprint ")).unwrap().trim().to_string();
+    assert_eq!(files[0], cal_dir.join(format!("{fp}.json")));
+    assert!(probe.contains(&format!("calibration {}", files[0].display())), "{probe}");
+    // the stored schedule follows the formula from the stored measurements
+    let cal: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&files[0]).unwrap()).unwrap();
+    let ms = cal["measured"]["ms_per_frame"].as_f64().unwrap();
+    let jitter = cal["measured"]["jitter_ms"].as_f64().unwrap();
+    assert!(jitter >= 20.0);
+    let lead = jitter + (ms - 80.0).max(0.0) * 25.0;
+    let first = ((lead / 80.0).ceil() as u64).clamp(1, 25);
+    let list = |v: &serde_json::Value| -> Vec<u64> { v.as_array().unwrap().iter().map(|v| v.as_u64().unwrap()).collect() };
+    let formula = list(&cal["formula"]["ramp"]);
+    assert_eq!(formula[0], first);
+    // the ramp speak uses: the formula's, or one with a larger first chunk where the formula's
+    // would stall on this board; doubling to 25 either way
+    let ramp = list(&cal["schedule"]["ramp"]);
+    assert!(ramp[0] >= first, "{ramp:?} vs {formula:?}");
+    for r in [&formula, &ramp] {
+        assert_eq!(*r.last().unwrap(), 25);
+        assert!(r.windows(2).all(|w| w[1] == (w[0] * 2).min(25)), "{r:?}");
+    }
+    let margin = cal["formula"]["safety_margin_ms"].as_f64().unwrap();
+    assert!((margin - (jitter + ms).clamp(20.0, 400.0)).abs() < 1e-9);
+    // the chart is an SVG with both timelines
+    let svg = std::fs::read_to_string(&chart).unwrap();
+    assert!(svg.starts_with("<svg") && svg.contains("default ramp [2, 4, 8, 16, 25]") && svg.contains("calibrated ramp"));
+
+    // speak picks it up and says so
+    let wav = d.join("a.wav");
+    let speak = |wav: &Path| {
+        herald(
+            &["speak", "Calibrated.", "--bundle", b.to_str().unwrap(), "--seed", "3", "--out", wav.to_str().unwrap()],
+            &[env[0], ("RUST_LOG", "info")],
+        )
+    };
+    let o = speak(&wav);
+    assert!(o.status.success(), "{}", text(&o.stderr));
+    let ramp_text = format!("{ramp:?}");
+    assert!(
+        text(&o.stderr).contains(&format!("using calibration {}: chunk ramp {ramp_text}", files[0].display())),
+        "{}",
+        text(&o.stderr)
+    );
+    // an explicit synthesis.ramp wins over the calibration
+    let o = herald(
+        &["speak", "Configured.", "--bundle", b.to_str().unwrap(), "--out", d.join("c.wav").to_str().unwrap()],
+        &[env[0], ("RUST_LOG", "info"), ("HERALD_SYNTHESIS_RAMP", "3,25")],
+    );
+    assert!(o.status.success() && text(&o.stderr).contains("chunk ramp [3, 25] from synthesis.ramp"), "{}", text(&o.stderr));
+
+    // foreign: a calibration written for another fingerprint, under this one's name
+    let original = std::fs::read_to_string(&files[0]).unwrap();
+    std::fs::write(&files[0], original.replace(&fp, "0000000000000000")).unwrap();
+    let o = speak(&d.join("b.wav"));
+    assert!(o.status.success(), "{}", text(&o.stderr));
+    let err = text(&o.stderr);
+    assert_eq!(err.matches("ignoring calibration").count(), 1, "{err}");
+    assert!(err.contains("written for fingerprint 0000000000000000") && err.contains("default chunk ramp [2, 4, 8, 16, 25]"), "{err}");
+    // corrupt
+    std::fs::write(&files[0], &original[..original.len() / 2]).unwrap();
+    let o = speak(&d.join("b.wav"));
+    assert!(o.status.success(), "{}", text(&o.stderr));
+    let err = text(&o.stderr);
+    assert_eq!(err.matches("ignoring calibration").count(), 1, "{err}");
+    assert!(err.contains("not a calibration file"), "{err}");
+}
+
+#[test]
+fn calibrate_on_every_snapshot() {
+    let d = tmp("calibrate-snapshots");
+    let b = bundle();
+    for name in ["jetson-orin-nano", "rpi5", "rb3gen2", "rk3588", "x86"] {
+        let profile = snapshot_profile(name, &d);
+        let chart = d.join(format!("{name}.svg"));
+        let o = herald(
+            &["calibrate", "--bundle", b.to_str().unwrap(), "--utterances", "1", "--chart", chart.to_str().unwrap()],
+            &[("HERALD_HW_PROFILE", profile.to_str().unwrap()), ("HERALD_RUNTIME_CALIBRATION_DIR", d.join("cal").to_str().unwrap())],
+        );
+        assert!(o.status.success(), "{name}: {}", text(&o.stderr));
+        assert!(chart.is_file(), "{name}");
+    }
+    // one file per board
+    assert_eq!(std::fs::read_dir(d.join("cal")).unwrap().count(), 5);
+}
+
+#[test]
+fn a_missing_amplifier_chip_stops_speak_at_start_up() {
+    let d = tmp("amp");
+    let o = herald(
+        &["speak", "Hello.", "--bundle", bundle().to_str().unwrap()],
+        &[("HERALD_AMPLIFIER_CHIP", "no-such-chip"), ("HERALD_AMPLIFIER_LINE", "17"), ("RUST_LOG", "info")],
+    );
+    assert_eq!(o.status.code(), Some(3), "{}", text(&o.stderr));
+    let err = text(&o.stderr);
+    assert!(err.contains("no GPIO chip labelled 'no-such-chip'"), "{err}");
+    // before the model was loaded
+    assert!(!err.contains("ready in"), "{err}");
+    // writing a file does not touch the amplifier
+    let wav = d.join("a.wav");
+    let o = herald(
+        &["speak", "Hello.", "--bundle", bundle().to_str().unwrap(), "--out", wav.to_str().unwrap()],
+        &[("HERALD_AMPLIFIER_CHIP", "no-such-chip")],
+    );
+    assert!(o.status.success(), "{}", text(&o.stderr));
+    assert!(wav.is_file());
+}
