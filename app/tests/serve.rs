@@ -1,0 +1,313 @@
+//! `herald serve` end to end: the sd_notify(3) protocol as systemd's side of the socket sees it
+//! (READY=1, WATCHDOG=1, STATUS=, STOPPING=1, path and abstract sockets), the audio of each line
+//! equal to `herald speak` with the same text and seed, bad lines skipped, SIGTERM -> exit 0;
+//! and the appliance's rootfs overlay (image/overlay) valid for herald and alsa-lib.
+
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
+
+use std::io::Write;
+use std::os::unix::fs::FileTypeExt;
+use std::os::unix::net::{SocketAddr, UnixDatagram};
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Output, Stdio};
+use std::sync::mpsc;
+use std::time::{Duration, Instant};
+
+const HERALD: &str = env!("CARGO_BIN_EXE_herald");
+
+fn repo() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).parent().unwrap().to_path_buf()
+}
+
+/// The tiny bundle: from HERALD_TEST_BUNDLES (scripts/test exports it), else exported here
+/// (the same folder tests/cli.rs uses).
+fn bundle() -> PathBuf {
+    if let Some(d) = std::env::var_os("HERALD_TEST_BUNDLES").filter(|d| !d.is_empty()) {
+        return PathBuf::from(d).join("tiny-0.6b");
+    }
+    let out = PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join("cli-bundle");
+    if !out.join("bundle.toml").is_file() {
+        let st = Command::new(repo().join("tools/export/export"))
+            .args(["export", "--tiny", "tiny-0.6b", "--seed", "7", "--quiet", "--out"])
+            .arg(&out)
+            .status()
+            .unwrap();
+        assert!(st.success());
+    }
+    out
+}
+
+fn tmp(name: &str) -> PathBuf {
+    let d = PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join("serve").join(name);
+    let _ = std::fs::remove_dir_all(&d);
+    std::fs::create_dir_all(&d).unwrap();
+    d
+}
+
+/// herald with HERALD_*, ALSA, RUST_LOG and systemd variables of the caller removed and an
+/// empty config file; `env` adds variables.
+fn command(args: &[&str], env: &[(&str, &str)]) -> Command {
+    let mut c = Command::new(HERALD);
+    c.args(args);
+    for k in ["RUST_LOG", "ALSA_CONFIG_PATH", "NOTIFY_SOCKET", "WATCHDOG_USEC", "WATCHDOG_PID"] {
+        c.env_remove(k);
+    }
+    for (k, _) in std::env::vars() {
+        if k.starts_with("HERALD_") {
+            c.env_remove(k);
+        }
+    }
+    let empty = PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join("serve-empty.toml");
+    std::fs::write(&empty, "").unwrap();
+    c.env("HERALD_CONFIG", &empty);
+    for (k, v) in env {
+        c.env(k, v);
+    }
+    c.stdin(Stdio::null()).stdout(Stdio::piped()).stderr(Stdio::piped());
+    c
+}
+
+fn run(args: &[&str], env: &[(&str, &str)]) -> Output {
+    command(args, env).output().unwrap()
+}
+
+fn stderr(o: &Output) -> String {
+    String::from_utf8_lossy(&o.stderr).into_owned()
+}
+
+/// systemd's end of NOTIFY_SOCKET: every datagram, as text, to a channel.
+fn listen(sock: UnixDatagram) -> mpsc::Receiver<String> {
+    let (tx, rx) = mpsc::channel();
+    std::thread::spawn(move || {
+        let mut buf = vec![0u8; 4096];
+        while let Ok(n) = sock.recv(&mut buf) {
+            if tx.send(String::from_utf8_lossy(&buf[..n]).into_owned()).is_err() {
+                break;
+            }
+        }
+    });
+    rx
+}
+
+/// Wait for a datagram holding the assignment `line`; every datagram seen goes to `log`.
+fn expect(rx: &mpsc::Receiver<String>, line: &str, timeout: Duration, log: &mut Vec<String>) {
+    let end = Instant::now() + timeout;
+    loop {
+        let left = end.saturating_duration_since(Instant::now());
+        match rx.recv_timeout(left) {
+            Ok(msg) => {
+                let hit = msg.lines().any(|l| l == line);
+                log.push(msg);
+                if hit {
+                    return;
+                }
+            }
+            Err(_) => panic!("no {line} within {timeout:?}; got {log:?}"),
+        }
+    }
+}
+
+fn wait_for_file(p: &Path, child: &mut Child, timeout: Duration) {
+    let end = Instant::now() + timeout;
+    while !p.is_file() {
+        if let Some(st) = child.try_wait().unwrap() {
+            panic!("herald serve exited ({st}) before writing {}", p.display());
+        }
+        assert!(Instant::now() < end, "{} not written within {timeout:?}", p.display());
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}
+
+fn sigterm(child: &Child) {
+    let st = Command::new("kill").args(["-TERM", &child.id().to_string()]).status().unwrap();
+    assert!(st.success());
+}
+
+fn wait_exit(child: Child, timeout: Duration) -> Output {
+    let pid = child.id();
+    let (tx, rx) = mpsc::channel();
+    std::thread::spawn(move || {
+        let _ = tx.send(child.wait_with_output());
+    });
+    match rx.recv_timeout(timeout) {
+        Ok(o) => o.unwrap(),
+        Err(_) => {
+            let _ = Command::new("kill").args(["-KILL", &pid.to_string()]).status();
+            panic!("herald serve did not exit within {timeout:?} of SIGTERM");
+        }
+    }
+}
+
+const TEXT: &str = "Every line is spoken.";
+
+#[test]
+fn serve_speaks_lines_like_speak_and_talks_sd_notify() {
+    let b = bundle();
+    let bs = b.to_str().unwrap();
+    let d = tmp("lines");
+    // what `herald speak` makes of the text with seed 11
+    let want_wav = d.join("speak.wav");
+    let o = run(&["speak", TEXT, "--bundle", bs, "--seed", "11", "--out", want_wav.to_str().unwrap()], &[]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let want = std::fs::read(&want_wav).unwrap();
+    assert!(want.len() > 44 + 40 * 1920 * 2, "a WAV of at least 40 frames");
+
+    let notify = d.join("notify.sock");
+    let sock = UnixDatagram::bind(&notify).unwrap();
+    let rx = listen(sock);
+    let fifo = d.join("say");
+    let out = d.join("out");
+    std::fs::create_dir_all(&out).unwrap();
+    let mut child = command(
+        &["serve", "--bundle", bs, "--fifo", fifo.to_str().unwrap(), "--out-dir", out.to_str().unwrap()],
+        &[
+            ("NOTIFY_SOCKET", notify.to_str().unwrap()),
+            ("WATCHDOG_USEC", "200000"),
+            ("HERALD_SYNTHESIS_SEED", "11"),
+        ],
+    )
+    .spawn()
+    .unwrap();
+    let mut log = Vec::new();
+    expect(&rx, "READY=1", Duration::from_secs(300), &mut log);
+    assert!(std::fs::symlink_metadata(&fifo).unwrap().file_type().is_fifo(), "herald created the FIFO");
+    // the keep-alive arrives every WATCHDOG_USEC / 2 = 100 ms
+    expect(&rx, "WATCHDOG=1", Duration::from_secs(5), &mut log);
+
+    // line 1: spoken; line 2: not UTF-8, skipped; line 3: empty; line 4: the same text again
+    // (the engine keeps no state between utterances); written in two pieces
+    {
+        let mut w = std::fs::OpenOptions::new().write(true).open(&fifo).unwrap();
+        let (head, tail) = TEXT.split_at(6);
+        w.write_all(head.as_bytes()).unwrap();
+        w.flush().unwrap();
+        std::thread::sleep(Duration::from_millis(300));
+        w.write_all(format!("{tail}\n").as_bytes()).unwrap();
+        w.write_all(b"\xff\xfe bad\n\n").unwrap();
+        w.write_all(TEXT.as_bytes()).unwrap();
+        w.write_all(b"\r\n").unwrap();
+    }
+    let first = out.join("000001.wav");
+    let fourth = out.join("000004.wav");
+    wait_for_file(&first, &mut child, Duration::from_secs(300));
+    wait_for_file(&fourth, &mut child, Duration::from_secs(300));
+    assert_eq!(std::fs::read(&first).unwrap(), want, "line 1 differs from herald speak --seed 11");
+    assert_eq!(std::fs::read(&fourth).unwrap(), want, "line 4 (the same text) differs from herald speak --seed 11");
+    let names: Vec<String> = std::fs::read_dir(&out).unwrap().map(|e| e.unwrap().file_name().to_string_lossy().into_owned()).collect();
+    assert_eq!(names.len(), 2, "only the two spoken lines leave files: {names:?}");
+    // STATUS= follows the lines (sent before each line's file appears), and the watchdog keeps
+    // going during and after speech
+    expect(&rx, "STATUS=speaking line 4", Duration::from_secs(5), &mut log);
+    assert!(log.iter().any(|m| m.lines().any(|l| l == "STATUS=speaking line 1")), "{log:?}");
+    assert!(!log.iter().any(|m| m.lines().any(|l| l == "STATUS=speaking line 2")), "line 2 is not spoken: {log:?}");
+    expect(&rx, "WATCHDOG=1", Duration::from_secs(5), &mut log);
+
+    sigterm(&child);
+    expect(&rx, "STOPPING=1", Duration::from_secs(30), &mut log);
+    let o = wait_exit(child, Duration::from_secs(30));
+    let e = stderr(&o);
+    assert_eq!(o.status.code(), Some(0), "{e}");
+    assert!(e.contains("line 2: not valid UTF-8 (first bad byte at offset 0); skipped"), "{e}");
+    assert!(e.contains("2 line(s) spoken, 1 skipped"), "{e}");
+    assert!(!fifo.exists(), "the FIFO herald created is removed on exit");
+}
+
+#[test]
+fn abstract_notify_socket_and_sigterm_mid_line() {
+    let b = bundle();
+    let d = tmp("abstract");
+    let name = format!("herald-test-{}", std::process::id());
+    let addr = {
+        use std::os::linux::net::SocketAddrExt;
+        SocketAddr::from_abstract_name(name.as_bytes()).unwrap()
+    };
+    let rx = listen(UnixDatagram::bind_addr(&addr).unwrap());
+    let fifo = d.join("say");
+    let child = command(
+        &["serve", "--bundle", b.to_str().unwrap(), "--fifo", fifo.to_str().unwrap(), "--out-dir", d.to_str().unwrap()],
+        &[("NOTIFY_SOCKET", &format!("@{name}"))],
+    )
+    .spawn()
+    .unwrap();
+    let mut log = Vec::new();
+    expect(&rx, "READY=1", Duration::from_secs(300), &mut log);
+    assert!(log.iter().any(|m| m.lines().any(|l| l.starts_with("STATUS=loading bundle"))), "{log:?}");
+    // a long line (tiny models never stop early: 40 + 10 frames per token), stopped mid-way
+    let long = format!("{}\n", "many words ".repeat(150));
+    std::fs::OpenOptions::new().write(true).open(&fifo).unwrap().write_all(long.as_bytes()).unwrap();
+    expect(&rx, "STATUS=speaking line 1", Duration::from_secs(30), &mut log);
+    // stop it once audio is flowing into the line's (temporary) WAV file
+    let end = Instant::now() + Duration::from_secs(120);
+    let partial = |e: &std::fs::DirEntry| e.file_name().to_string_lossy().starts_with(".000001.wav.partial");
+    while !std::fs::read_dir(&d).unwrap().flatten().any(|e| partial(&e) && e.metadata().is_ok_and(|m| m.len() > 44)) {
+        assert!(Instant::now() < end, "no audio for line 1 within 120 s");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    sigterm(&child);
+    expect(&rx, "STOPPING=1", Duration::from_secs(30), &mut log);
+    let o = wait_exit(child, Duration::from_secs(30));
+    let e = stderr(&o);
+    assert_eq!(o.status.code(), Some(0), "{e}");
+    assert!(e.contains("line 1: stopped by a signal"), "{e}");
+    // what was spoken is a complete WAV: the header's sizes match the file
+    let wav = std::fs::read(d.join("000001.wav")).unwrap();
+    assert_eq!(&wav[..4], b"RIFF");
+    assert_eq!(u32::from_le_bytes(wav[4..8].try_into().unwrap()) as usize, wav.len() - 8);
+    let data = wav.windows(4).position(|w| w == b"data").unwrap();
+    let len = u32::from_le_bytes(wav[data + 4..data + 8].try_into().unwrap()) as usize;
+    assert_eq!(len, wav.len() - data - 8);
+    assert!(len > 0 && len < 1500 * 1920 * 2, "cut short: {len} bytes");
+    // without WATCHDOG_USEC there is no keep-alive
+    assert!(!log.iter().any(|m| m.contains("WATCHDOG=1")), "{log:?}");
+}
+
+#[test]
+fn startup_errors_exit_with_one_line() {
+    let b = bundle();
+    let bs = b.to_str().unwrap();
+    let d = tmp("errors");
+    let check = |o: Output, code: i32, needle: &str| {
+        let e = stderr(&o);
+        assert_eq!(o.status.code(), Some(code), "{e}");
+        let lines: Vec<&str> = e.lines().filter(|l| l.starts_with("error:")).collect();
+        assert_eq!(lines.len(), 1, "{e}");
+        assert!(lines[0].contains(needle), "{e}");
+    };
+    let missing = d.join("no/such/dir/say");
+    check(run(&["serve", "--bundle", bs, "--fifo", missing.to_str().unwrap()], &[]), 2, "no/such/dir/say");
+    let regular = d.join("plain-file");
+    std::fs::write(&regular, b"x").unwrap();
+    check(run(&["serve", "--bundle", bs, "--fifo", regular.to_str().unwrap()], &[]), 2, "not a FIFO");
+    assert_eq!(std::fs::read(&regular).unwrap(), b"x");
+    let fifo = d.join("say");
+    check(run(&["serve", "--bundle", bs, "--fifo", fifo.to_str().unwrap(), "--out-dir", d.join("nope").to_str().unwrap()], &[]), 2, "--out-dir");
+    check(run(&["serve", "--bundle", "/nonexistent/bundle", "--fifo", fifo.to_str().unwrap()], &[]), 4, "/nonexistent/bundle");
+    assert!(!fifo.exists(), "a failed start leaves no FIFO behind");
+    check(run(&["serve", "--bundle", bs, "--fifo", fifo.to_str().unwrap()], &[("HERALD_SYNTHESIS_SPEAKER", "nobody")]), 2, "nobody");
+    assert!(!fifo.exists());
+}
+
+#[test]
+fn overlay_config_is_valid_for_herald() {
+    let conf = repo().join("image/overlay/etc/herald/herald.toml");
+    let o = run(&["--config", conf.to_str().unwrap(), "config"], &[]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let out = String::from_utf8_lossy(&o.stdout).into_owned();
+    assert!(out.contains("bundle = \"/usr/share/herald/bundles/default\""), "{out}");
+    assert!(out.contains("device = \"default\""), "{out}");
+}
+
+#[test]
+fn overlay_asound_conf_parses_and_defines_the_speaker() {
+    let alsa_conf = Path::new("/usr/share/alsa/alsa.conf");
+    assert!(alsa_conf.is_file(), "alsa-lib's configuration (libasound2-data) is installed");
+    let conf = repo().join("image/overlay/etc/asound.conf");
+    let path = format!("{}:{}", alsa_conf.display(), conf.display());
+    let o = run(&["devices"], &[("ALSA_CONFIG_PATH", &path)]);
+    let e = stderr(&o);
+    assert!(o.status.success(), "{e}");
+    assert!(!e.contains("ALSA lib"), "alsa-lib complained about {}: {e}", conf.display());
+    let out = String::from_utf8_lossy(&o.stdout).into_owned();
+    assert!(out.lines().any(|l| l.starts_with("speaker ") && l.contains("dmix")), "{out}");
+    assert!(out.lines().any(|l| l.starts_with("default ") && l.contains("plug")), "{out}");
+}
