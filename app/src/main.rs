@@ -4,7 +4,11 @@
 //! Exit codes (docs/config.md "Exit codes"): 0 ok, 2 bad input or config, 3 audio device,
 //! 4 model/bundle, 1 anything else (a bug: please report it).
 
+mod bench;
+mod calibrate;
 mod config;
+mod tuning;
+mod serve;
 
 use std::io::{IsTerminal, Read, Write};
 use std::path::{Path, PathBuf};
@@ -15,7 +19,7 @@ use std::time::Instant;
 use board::audio::{AlsaSink, AudioSink, RawSink, SinkError, SinkErrorKind, WavSink};
 use clap::{Parser, Subcommand};
 use engine::prompt::PromptMode;
-use engine::{Engine, EngineError, EngineSettings, Request, StopReason};
+use engine::{Engine, EngineError, Request, StopReason};
 
 use crate::config::{CliOverrides, Config, Sampling, SynthesisMode};
 
@@ -90,8 +94,21 @@ enum Command {
     },
     /// List ALSA playback PCMs.
     Devices,
-    /// Print this board's hardware profile (or HERALD_HW_PROFILE's) and the derived thread split.
-    Probe,
+    /// Print this board's hardware profile (or HERALD_HW_PROFILE's) and the settings derived
+    /// for the bundle: threads, memory budget, KV capacity, calibration.
+    Probe {
+        /// Bundle directory (overrides model.bundle).
+        #[arg(long, value_name = "DIR")]
+        bundle: Option<PathBuf>,
+    },
+    /// Measure this board (frame rate, vocoder cost per chunk, jitter), derive the chunk
+    /// schedule and store it for `speak` (runtime.calibration_dir).
+    Calibrate(calibrate::CalibrateArgs),
+    /// Measure step latencies against the memory-bandwidth floor, the pipeline, load time and a
+    /// thread sweep (docs/performance.md).
+    Bench(bench::BenchArgs),
+    /// Run as the appliance: load the model once, speak each line written to a FIFO (systemd notify).
+    Serve(serve::ServeArgs),
 }
 
 /// A failure with the exit code it maps to.
@@ -102,6 +119,68 @@ struct Failure {
 
 fn fail(code: u8, err: impl Into<anyhow::Error>) -> Failure {
     Failure { code, err: err.into() }
+}
+
+/// Exit code and message of a [`tuning::TuneError`]: a bundle that does not fit is a bundle
+/// problem (4), a broken profile override bad input (2).
+fn tune_failure(e: tuning::TuneError) -> Failure {
+    let code = match e {
+        tuning::TuneError::Probe(_) => EXIT_INPUT,
+        tuning::TuneError::DoesNotFit(_) | tuning::TuneError::Bundle { .. } => EXIT_BUNDLE,
+    };
+    fail(code, e)
+}
+
+/// `herald probe`: the profile, then what herald derives from it for the configured bundle.
+fn print_probe(cfg: &Config) -> Result<(), Failure> {
+    let p = board::probe::probe_system().map_err(|e| fail(EXIT_INPUT, e))?;
+    let mut o = std::io::stdout().lock();
+    let _ = writeln!(o, "{}", p.describe());
+    let dir = &cfg.model.bundle;
+    match engine::Manifest::load(dir) {
+        Ok(m) => {
+            // A profile from HERALD_HW_PROFILE describes another board: show its own split, not
+            // what this machine's CPU set would leave of it (speak pins within what it may use).
+            let allowed: Vec<usize> = if p.source.starts_with("override:") {
+                (0..p.n_logical.max(p.clusters.iter().flat_map(|c| c.cpus.iter().map(|&n| n + 1)).max().unwrap_or(1))).collect()
+            } else {
+                engine::placement::allowed_cpus().unwrap_or_default()
+            };
+            match tuning::tune_for(cfg, dir, &m, p.clone(), &allowed) {
+                Ok(t) => {
+                    let _ = writeln!(o, "bundle      {} ({} {}, {})", dir.display(), m.model.family, m.model.size, m.model.dtype);
+                    for line in t.derived.describe().lines() {
+                        let _ = writeln!(o, "derived     {line}");
+                    }
+                    for n in &t.derived.notes {
+                        let _ = writeln!(o, "note        {n}");
+                    }
+                    let _ = writeln!(o, "fingerprint {}", t.fingerprint);
+                    let ramp = t.settings.ramp.clone().unwrap_or_default();
+                    let cal = match &t.ramp_source {
+                        tuning::RampSource::Configured => format!("not used: synthesis.ramp = {ramp:?} is set"),
+                        tuning::RampSource::Calibrated(path) => format!("{} (ramp {ramp:?})", path.display()),
+                        tuning::RampSource::Default(path) => {
+                            format!("none yet ({}); default ramp {ramp:?}; run herald calibrate", path.display())
+                        }
+                        tuning::RampSource::Ignored(why) => format!("ignored: {why}"),
+                    };
+                    let _ = writeln!(o, "calibration {cal}");
+                }
+                Err(tuning::TuneError::DoesNotFit(e)) => {
+                    let _ = writeln!(o, "derived     refused: {e}");
+                }
+                Err(e) => return Err(tune_failure(e)),
+            }
+        }
+        Err(e) => {
+            let (talker, vocoder) = p.thread_split();
+            let _ = writeln!(o, "threads     talker stage on CPUs {talker:?}, vocoder stage on CPUs {vocoder:?}");
+            let _ = writeln!(o, "bundle      none usable at {} ({e}); pass --bundle for memory and calibration", dir.display());
+        }
+    }
+    let _ = writeln!(o, "{}", p.to_json());
+    Ok(())
 }
 
 fn engine_code(e: &EngineError) -> u8 {
@@ -211,16 +290,26 @@ fn run(cli: Cli) -> Result<(), Failure> {
             }
             Ok(())
         }
-        Command::Probe => {
+        Command::Serve(args) => serve::run(cli.config.as_deref(), args),
+        Command::Bench(args) => {
+            init_logging(std::env::var("RUST_LOG").as_deref().unwrap_or("warn"));
+            bench::run(&args).map(|_| ()).map_err(|e| {
+                let code = e.downcast_ref::<EngineError>().map_or(EXIT_INPUT, engine_code);
+                fail(code, e)
+            })
+        }
+        Command::Probe { bundle } => {
+            let mut cfg = load_config(cli.config.as_deref())?;
             init_logging("warn");
-            let p = board::probe::probe_system().map_err(|e| fail(EXIT_INPUT, e))?;
-            let (talker, vocoder) = p.thread_split();
-            let json = p.to_json();
-            let mut o = std::io::stdout().lock();
-            let _ = writeln!(o, "{}", p.describe());
-            let _ = writeln!(o, "threads     talker stage on CPUs {talker:?}, vocoder stage on CPUs {vocoder:?}");
-            let _ = writeln!(o, "{json}");
-            Ok(())
+            cfg.apply_cli(&CliOverrides { bundle, ..CliOverrides::default() }).map_err(|e| fail(EXIT_INPUT, e))?;
+            print_probe(&cfg)
+        }
+        Command::Calibrate(args) => {
+            let mut cfg = load_config(cli.config.as_deref())?;
+            init_logging(cfg.log.filter(std::env::var("RUST_LOG").ok().as_deref()));
+            cfg.apply_cli(&CliOverrides { bundle: args.bundle.clone(), ..CliOverrides::default() })
+                .map_err(|e| fail(EXIT_INPUT, e))?;
+            calibrate::run(&cfg, &args)
         }
         Command::Info { bundle } => {
             let cfg = load_config(cli.config.as_deref())?;
@@ -301,14 +390,6 @@ fn rss_mb() -> Option<f64> {
 
 fn speak(cfg: &Config, text: &str, out: Option<&str>, raw: bool) -> Result<(), Failure> {
     let t0 = Instant::now();
-    let threads = cfg.runtime.effective_threads();
-    engine::set_compute_threads(threads);
-    log::debug!("{threads} compute thread(s) for matrix products");
-    let settings = EngineSettings {
-        kv_capacity: cfg.synthesis.kv_capacity,
-        ramp: Some(cfg.synthesis.ramp.clone()),
-        left_context: Some(cfg.synthesis.left_context),
-    };
     let mode = match cfg.synthesis.mode {
         SynthesisMode::NonStreaming => PromptMode::NonStreaming,
         SynthesisMode::Streaming => PromptMode::Streaming,
@@ -332,6 +413,11 @@ fn speak(cfg: &Config, text: &str, out: Option<&str>, raw: bool) -> Result<(), F
     };
     let manifest = engine::Manifest::load(&cfg.model.bundle).map_err(bundle_err)?;
     let rate = manifest.audio.sample_rate;
+    // The board: thread placement, memory (a bundle that cannot fit is refused here), ramp.
+    let tuned = tuning::tune(cfg, &cfg.model.bundle, &manifest).map_err(tune_failure)?;
+    tuned.log();
+    engine::set_compute_threads(tuned.threads);
+    let settings = tuned.settings.clone();
     // Check the text and the voice before touching the device or loading the graphs.
     let prompter = engine::prompt::Prompter::new(&cfg.model.bundle, &manifest)
         .map_err(|e| fail(EXIT_BUNDLE, anyhow::Error::new(e).context(format!("bundle {}", cfg.model.bundle.display()))))?;
@@ -350,6 +436,18 @@ fn speak(cfg: &Config, text: &str, out: Option<&str>, raw: bool) -> Result<(), F
         (None, Some(_), _) => Box::new(WavSink::stdout(shaper)),
         (None, None, false) => Box::new(AlsaSink::new(cfg.alsa_settings(), shaper)),
     };
+    // The amplifier line (only when playing): a missing chip or line stops here, before loading.
+    if let (Some(chip), None, false) = (&cfg.amplifier.chip, out, raw) {
+        let amp = board::amp::open_line(
+            chip,
+            cfg.amplifier.line,
+            cfg.amplifier.active == config::ActiveLevel::Low,
+            std::time::Duration::from_millis(cfg.amplifier.lead_ms.into()),
+        )
+        .map_err(|e| fail(EXIT_AUDIO, e))?;
+        log::info!("amplifier: line {} of GPIO chip '{chip}', enabled {} ms before the first sample", cfg.amplifier.line, cfg.amplifier.lead_ms);
+        sink = Box::new(board::amp::AmpSink::new(sink, amp));
+    }
     // Open the output before loading the graphs: a busy or missing device fails fast.
     sink.begin(rate).map_err(|e| fail(sink_code(&e), e))?;
     let engine = match Engine::load(&cfg.model.bundle, &settings) {
@@ -421,8 +519,8 @@ fn speak(cfg: &Config, text: &str, out: Option<&str>, raw: bool) -> Result<(), F
         return Err(fail(
             EXIT_INPUT,
             anyhow::anyhow!(
-                "the text did not fit: the KV cache (synthesis.kv_capacity = {}) filled after {} frames; raise it or split the text",
-                cfg.synthesis.kv_capacity,
+                "the text did not fit: the KV cache ({} positions: synthesis.kv_capacity, or what fits in memory) filled after {} frames; split the text",
+                settings.kv_capacity,
                 report.frames
             ),
         ));

@@ -2,9 +2,12 @@
 //! vocoder windowing. Pure compute: this crate never opens a device or reads `/proc`; the
 //! board crate does that and hands plain settings in.
 
+pub mod bench;
 pub mod graph;
 pub mod manifest;
+pub mod metrics;
 pub mod pipeline;
+pub mod placement;
 pub mod prompt;
 pub mod sampler;
 pub mod sanitize;
@@ -14,6 +17,7 @@ pub mod synth;
 pub mod tables;
 
 pub use manifest::{Manifest, ManifestError};
+pub use metrics::PlaybackMetrics;
 pub use pipeline::{Engine, PcmChunk, Report};
 pub use synth::{Bundle, EngineError, EngineSettings, Frame, Request, StopReason};
 

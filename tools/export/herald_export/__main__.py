@@ -2,6 +2,8 @@
 
     export --checkpoint DIR --out BUNDLE [--dtype fp32|fp16]
     export --tiny PRESET --seed N --out BUNDLE [--dtype fp32|fp16] [--keep-checkpoint DIR]
+    export --preset qwen3-tts-0.6b|qwen3-tts-1.7b --random --seed N [--out BUNDLE] [--dtype fp32|fp16]
+      (real dimensions, random weights, for benchmarks; default --out build/bundles/PRESET-DTYPE)
 
 Exit codes: 0 done; 2 bad input (the message names the file and the problem; nothing is left
 at the output path); 1 an internal error.
@@ -25,8 +27,12 @@ def main(argv: list[str] | None = None) -> int:
     src = ex.add_mutually_exclusive_group(required=True)
     src.add_argument("--checkpoint", type=Path, help="official Hugging Face checkpoint directory")
     src.add_argument("--tiny", metavar="PRESET", help="tiny random checkpoint: tiny-0.6b, tiny-1.7b, tiny-hybrid")
-    ex.add_argument("--seed", type=int, default=0, help="random seed of --tiny (default 0)")
-    ex.add_argument("--out", type=Path, required=True, help="bundle directory to write (replaced when complete)")
+    src.add_argument("--preset", metavar="PRESET",
+                     help="with --random: real dimensions, random weights: qwen3-tts-0.6b, qwen3-tts-1.7b")
+    ex.add_argument("--random", action="store_true", help="with --preset: random weights (the only source for now)")
+    ex.add_argument("--seed", type=int, default=0, help="random seed of --tiny / --preset (default 0)")
+    ex.add_argument("--out", type=Path, help="bundle directory to write (replaced when complete; "
+                    "default for --preset: build/bundles/PRESET-DTYPE)")
     ex.add_argument("--dtype", choices=["fp32", "fp16"], default="fp32", help="weight and cache dtype (default fp32)")
     ex.add_argument("--keep-checkpoint", type=Path, metavar="DIR", help="with --tiny: keep the generated checkpoint here")
     ex.add_argument("--quiet", action="store_true", help="no progress bars")
@@ -37,7 +43,24 @@ def main(argv: list[str] | None = None) -> int:
 
     tmpdir = None
     try:
-        if args.tiny is not None:
+        if args.preset is not None or args.random:
+            from .presets import PRESETS as REAL, check_buildable, write_random_checkpoint
+
+            if args.preset is None or not args.random:
+                raise ExportError("--preset", "--preset and --random go together (random weights at real dimensions)")
+            if args.preset not in REAL:
+                raise ExportError(args.preset, f"unknown preset (choose from {', '.join(REAL)})")
+            if args.keep_checkpoint:
+                raise ExportError("--keep-checkpoint", "only valid with --tiny")
+            check_buildable(args.preset, args.dtype)
+            if args.out is None:
+                args.out = Path("build/bundles") / f"{args.preset}-{args.dtype}"
+            tmpdir = tempfile.mkdtemp(prefix="herald-preset-")
+            ckpt = Path(tmpdir) / args.preset
+            write_random_checkpoint(args.preset, args.seed, ckpt)
+        elif args.out is None:
+            raise ExportError("--out", "missing: the bundle directory to write")
+        elif args.tiny is not None:
             if args.tiny not in PRESETS:
                 raise ExportError(args.tiny, f"unknown tiny preset (choose from {', '.join(PRESETS)})")
             if args.keep_checkpoint:

@@ -79,6 +79,23 @@ def _lm_section(lm: LMSpec, graph: str) -> dict:
     }
 
 
+#: Graphs whose initializers exceed this many bytes keep them in ``<file>.data`` next to the
+#: graph (ONNX external data): a protobuf cannot exceed 2 GiB (the 0.6B talker is 1.8 GB in
+#: fp32, the 1.7B one 5.6 GB). Loaders resolve the location relative to the graph's directory.
+EXTERNAL_DATA_BYTES = 1_500_000_000
+
+
+def _save(model: onnx.ModelProto, path: Path) -> None:
+    """Save ``model`` at ``path``; large initializers go to ``path.name + ".data"``."""
+    weights = sum(len(t.raw_data) for t in model.graph.initializer)
+    if weights > EXTERNAL_DATA_BYTES:
+        onnx.save_model(model, str(path), save_as_external_data=True, all_tensors_to_one_file=True,
+                        location=f"{path.name}.data", size_threshold=1024)
+        os.chmod(path.parent / f"{path.name}.data", 0o644)
+    else:
+        onnx.save_model(model, str(path))
+
+
 def _graph_entry(path: Path, model: onnx.ModelProto) -> dict:
     sig = io_signature(model)
     return {"file": path.name, "sha256": _sha256(path), "inputs": sig["inputs"], "outputs": sig["outputs"]}
@@ -117,7 +134,7 @@ def export(checkpoint: Path, out: Path, dtype: str = "fp32", quiet: bool = False
                 model = build_step_graph(spec, w, which, npdt)
                 bar.update(1)
                 path = tmp / f"{which}.onnx"
-                onnx.save_model(model, str(path))
+                _save(model, path)
                 bar.update(1)
             graphs[which] = _graph_entry(path, model)
             del model
@@ -125,7 +142,7 @@ def export(checkpoint: Path, out: Path, dtype: str = "fp32", quiet: bool = False
             model = vocoder.build_vocoder_graph(vw)
             bar.update(1)
             path = tmp / "vocoder.onnx"
-            onnx.save_model(model, str(path))
+            _save(model, path)
             bar.update(1)
         graphs["vocoder"] = _graph_entry(path, model)
         del model

@@ -1,0 +1,169 @@
+//! `herald bench`: the measuring instrument of docs/performance.md.
+//!
+//! The measuring code is `engine::bench`; this command adds what needs the process: a counting
+//! global allocator (one relaxed atomic increment per allocation, always on: cheap next to the
+//! allocation itself) for allocations per frame, and the peak resident set (`VmHWM` of
+//! `/proc/self/status`). Results go to standard output as markdown, and optionally to a JSON
+//! and a markdown file (each written to a temporary file and renamed).
+
+use std::alloc::{GlobalAlloc, Layout, System};
+use std::io::Write;
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicU64, Ordering};
+
+use anyhow::Context;
+use clap::Args;
+use engine::bench::{BenchConfig, BenchResult};
+
+/// Counts allocations and reallocations of the whole process.
+struct Counting;
+
+static ALLOCATIONS: AtomicU64 = AtomicU64::new(0);
+
+// SAFETY: forwards every call unchanged to the system allocator; the counter has no effect on
+// the memory handed out.
+unsafe impl GlobalAlloc for Counting {
+    unsafe fn alloc(&self, layout: Layout) -> *mut u8 {
+        ALLOCATIONS.fetch_add(1, Ordering::Relaxed);
+        // SAFETY: same contract as the caller's.
+        unsafe { System.alloc(layout) }
+    }
+    unsafe fn alloc_zeroed(&self, layout: Layout) -> *mut u8 {
+        ALLOCATIONS.fetch_add(1, Ordering::Relaxed);
+        // SAFETY: same contract as the caller's.
+        unsafe { System.alloc_zeroed(layout) }
+    }
+    unsafe fn dealloc(&self, ptr: *mut u8, layout: Layout) {
+        // SAFETY: same contract as the caller's.
+        unsafe { System.dealloc(ptr, layout) }
+    }
+    unsafe fn realloc(&self, ptr: *mut u8, layout: Layout, new_size: usize) -> *mut u8 {
+        ALLOCATIONS.fetch_add(1, Ordering::Relaxed);
+        // SAFETY: same contract as the caller's.
+        unsafe { System.realloc(ptr, layout, new_size) }
+    }
+}
+
+#[global_allocator]
+static GLOBAL: Counting = Counting;
+
+/// Allocations (and reallocations) since the process started, all threads.
+fn allocations() -> u64 {
+    ALLOCATIONS.load(Ordering::Relaxed)
+}
+
+/// Flags of `herald bench`.
+#[derive(Debug, Args)]
+pub struct BenchArgs {
+    /// Bundle directory (e.g. build/bundles/qwen3-tts-0.6b-fp32).
+    #[arg(long, value_name = "DIR")]
+    pub bundle: PathBuf,
+    /// Compute threads of the main measurements (default: the number of CPUs).
+    #[arg(long)]
+    pub threads: Option<usize>,
+    /// Thread sweep up to this count (default: the number of CPUs; 0: no sweep).
+    #[arg(long, value_name = "N")]
+    pub sweep: Option<usize>,
+    /// Talker past lengths, comma-separated.
+    #[arg(long, value_delimiter = ',', default_values_t = [64usize, 512])]
+    pub past: Vec<usize>,
+    /// Timed steps per measurement (talker steps, predictor sub-steps); at least 1.
+    #[arg(long, default_value_t = 50)]
+    pub steps: usize,
+    /// Untimed warm-up steps.
+    #[arg(long, default_value_t = 5)]
+    pub warmup: usize,
+    /// Timed vocoder windows (each is a whole 72 + 25-frame window: expensive at full size).
+    #[arg(long, default_value_t = 3)]
+    pub vocoder_steps: usize,
+    /// Pipeline frames (forced: random weights never sample eos).
+    #[arg(long, default_value_t = 105)]
+    pub frames: usize,
+    /// Bandwidth buffer MiB.
+    #[arg(long, default_value_t = 256)]
+    pub bandwidth_mib: usize,
+    /// Only the step latencies and the bandwidth (no load time, pipeline or sweep): what
+    /// tools/bench/ort_compare.py runs between onnxruntime rounds.
+    #[arg(long)]
+    pub steps_only: bool,
+    /// Write the results as JSON to FILE.
+    #[arg(long, value_name = "FILE")]
+    pub json: Option<PathBuf>,
+    /// Write the markdown tables to FILE.
+    #[arg(long, value_name = "FILE")]
+    pub markdown: Option<PathBuf>,
+}
+
+/// Peak resident set of this process in bytes (`VmHWM`), None where /proc is unavailable.
+fn peak_rss() -> Option<u64> {
+    let s = std::fs::read_to_string("/proc/self/status").ok()?;
+    let line = s.lines().find(|l| l.starts_with("VmHWM:"))?;
+    let kb: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
+    Some(kb * 1024)
+}
+
+/// Write `data` to `path` through a temporary sibling and a rename.
+fn write_atomic(path: &Path, data: &[u8]) -> anyhow::Result<()> {
+    let name = path.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_else(|| "out".into());
+    let tmp = path.with_file_name(format!(".{name}.tmp-{}", std::process::id()));
+    let r = std::fs::write(&tmp, data).and_then(|()| std::fs::rename(&tmp, path));
+    if r.is_err() {
+        let _ = std::fs::remove_file(&tmp);
+    }
+    r.with_context(|| format!("{}: cannot write", path.display()))
+}
+
+/// Validate the flags into a [`BenchConfig`].
+///
+/// # Errors
+/// A message naming the bad flag.
+pub fn config(a: &BenchArgs) -> anyhow::Result<BenchConfig> {
+    let cpus = std::thread::available_parallelism().map_or(1, |n| n.get());
+    let threads = a.threads.unwrap_or(cpus);
+    if threads == 0 {
+        anyhow::bail!("--threads must be at least 1");
+    }
+    if a.steps == 0 {
+        anyhow::bail!("--steps must be at least 1");
+    }
+    if a.past.is_empty() {
+        anyhow::bail!("--past needs at least one length");
+    }
+    if a.bandwidth_mib == 0 {
+        anyhow::bail!("--bandwidth-mib must be at least 1");
+    }
+    let sweep_to = if a.steps_only { 0 } else { a.sweep.unwrap_or(cpus) };
+    Ok(BenchConfig {
+        threads,
+        sweep: (1..=sweep_to).collect(),
+        pasts: a.past.clone(),
+        warmup: a.warmup,
+        steps: a.steps,
+        vocoder_steps: a.vocoder_steps.max(1),
+        bandwidth_bytes: a.bandwidth_mib << 20,
+        frames: a.frames.max(1),
+        steps_only: a.steps_only,
+        ..BenchConfig::default()
+    })
+}
+
+/// Run the benchmark and write its outputs.
+///
+/// # Errors
+/// Engine errors (as [`engine::EngineError`] inside the anyhow chain) and output errors.
+pub fn run(a: &BenchArgs) -> anyhow::Result<BenchResult> {
+    let cfg = config(a)?;
+    let counter: &dyn Fn() -> u64 = &allocations;
+    let mut r = engine::bench::run(&a.bundle, &cfg, Some(counter))?;
+    r.peak_rss_bytes = peak_rss();
+    let md = r.to_markdown();
+    if let Some(p) = &a.json {
+        let json = serde_json::to_vec_pretty(&r).context("serializing the results")?;
+        write_atomic(p, &json)?;
+    }
+    if let Some(p) = &a.markdown {
+        write_atomic(p, md.as_bytes())?;
+    }
+    let _ = std::io::stdout().lock().write_all(md.as_bytes());
+    Ok(r)
+}

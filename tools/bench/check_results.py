@@ -1,0 +1,131 @@
+#!/usr/bin/env python3
+"""Check that ``herald bench --json`` and ``ort_compare.py --json`` outputs are complete.
+
+Every field docs/performance.md describes must be present with a plausible value: latencies,
+bandwidth, floors and fractions positive and finite, the pipeline's RTF / TTFA / stall / per-frame
+split, allocations per frame, peak RSS, load time, and a thread-sweep entry per thread count.
+Used by scripts/test on the tiny bundle (the numbers themselves are not judged there).
+
+Usage: check_results.py --bench bench.json [--sweep N] [--ort ort.json]
+Exit 0 when complete; 1 with one line per missing or implausible field.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+from pathlib import Path
+
+problems: list[str] = []
+
+
+def get(d, path: str):
+    cur = d
+    for part in path.split("."):
+        if isinstance(cur, list):
+            cur = cur[int(part)] if part.isdigit() and int(part) < len(cur) else None
+        elif isinstance(cur, dict):
+            cur = cur.get(part)
+        else:
+            cur = None
+        if cur is None:
+            problems.append(f"{path}: missing")
+            return None
+    return cur
+
+
+def positive(d, path: str, allow_zero: bool = False) -> None:
+    v = get(d, path)
+    if v is None:
+        return
+    if not isinstance(v, (int, float)) or isinstance(v, bool) or not math.isfinite(v) or v < 0 or (v == 0 and not allow_zero):
+        problems.append(f"{path}: implausible value {v!r}")
+
+
+def step(d, path: str, floor: bool) -> None:
+    for k in ("timing.median_ms", "timing.min_ms", "timing.p90_ms", "slots"):
+        positive(d, f"{path}.{k}")
+    positive(d, f"{path}.timing.count")
+    positive(d, f"{path}.past", allow_zero=True)
+    if floor:
+        for k in ("weight_bytes", "kv_bytes", "floor_ms", "floor_fraction"):
+            positive(d, f"{path}.{k}")
+
+
+def step_set(d, path: str, pasts: int) -> None:
+    positive(d, f"{path}.threads")
+    positive(d, f"{path}.bandwidth.gb_per_s")
+    positive(d, f"{path}.bandwidth.buffer_bytes")
+    talker = get(d, f"{path}.talker") or []
+    if len(talker) < pasts:
+        problems.append(f"{path}.talker: {len(talker)} past lengths, expected {pasts}")
+    for i in range(len(talker)):
+        step(d, f"{path}.talker.{i}", True)
+    step(d, f"{path}.code_predictor", True)
+    positive(d, f"{path}.predictor_frame.median_ms")
+    step(d, f"{path}.vocoder", False)
+
+
+def check_bench(b: dict, sweep: int) -> None:
+    for k in ("bundle", "model", "dtype", "dims"):
+        get(b, k)
+    positive(b, "threads")
+    positive(b, "peak_rss_bytes")
+    positive(b, "load.open_s")
+    positive(b, "load.first_frame_s")
+    step_set(b, "steps", 2)
+    for k in ("frames", "audio_s", "wall_s", "rtf", "ttfa_s", "playback_start_s", "prefill_ms", "talker_ms_per_frame",
+              "predictor_ms_per_frame", "vocoder_ms_per_frame", "wall_ms_per_frame", "allocations_per_frame"):
+        positive(b, f"pipeline.{k}")
+    positive(b, "pipeline.stall_s", allow_zero=True)
+    positive(b, "pipeline.stall_gaps", allow_zero=True)
+    v = get(b, "pipeline.other_ms_per_frame")
+    if v is not None and not (isinstance(v, (int, float)) and math.isfinite(v)):
+        problems.append(f"pipeline.other_ms_per_frame: implausible value {v!r}")
+    sw = get(b, "sweep") or []
+    if len(sw) != sweep:
+        problems.append(f"sweep: {len(sw)} entries, expected {sweep}")
+    for i in range(len(sw)):
+        step_set(b, f"sweep.{i}", 1)
+        if sw[i].get("threads") != i + 1:
+            problems.append(f"sweep.{i}.threads: {sw[i].get('threads')}, expected {i + 1}")
+
+
+def check_ort(o: dict) -> None:
+    positive(o, "threads")
+    positive(o, "rounds")
+    steps = get(o, "steps") or {}
+    names = list(steps)
+    want = ["talker past", "code_predictor sub-step", "vocoder window"]
+    for w in want:
+        if not any(n.startswith(w) for n in names):
+            problems.append(f"steps: no '{w}' entry (have {names})")
+    for n in names:
+        for k in ("herald_ms", "onnxruntime_ms", "ratio"):
+            positive(o, f"steps.{n}.{k}")
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--bench", type=Path, required=True)
+    ap.add_argument("--sweep", type=int, required=True, help="expected thread-sweep entries")
+    ap.add_argument("--ort", type=Path)
+    a = ap.parse_args()
+    try:
+        check_bench(json.loads(a.bench.read_text(encoding="utf-8")), a.sweep)
+        if a.ort:
+            check_ort(json.loads(a.ort.read_text(encoding="utf-8")))
+    except (OSError, json.JSONDecodeError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    for p in problems:
+        print(f"error: {p}", file=sys.stderr)
+    if not problems:
+        print(f"{a.bench}{' and ' + str(a.ort) if a.ort else ''}: every field present")
+    return 1 if problems else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
