@@ -44,7 +44,7 @@ def main(argv: list[str] | None = None) -> int:
     tmpdir = None
     try:
         if args.preset is not None or args.random:
-            from .presets import PRESETS as REAL, check_buildable, write_random_checkpoint
+            from .presets import PRESETS as REAL, write_random_checkpoint
 
             if args.preset is None or not args.random:
                 raise ExportError("--preset", "--preset and --random go together (random weights at real dimensions)")
@@ -52,7 +52,6 @@ def main(argv: list[str] | None = None) -> int:
                 raise ExportError(args.preset, f"unknown preset (choose from {', '.join(REAL)})")
             if args.keep_checkpoint:
                 raise ExportError("--keep-checkpoint", "only valid with --tiny")
-            check_buildable(args.preset, args.dtype)
             if args.out is None:
                 args.out = Path("build/bundles") / f"{args.preset}-{args.dtype}"
             tmpdir = tempfile.mkdtemp(prefix="herald-preset-")

@@ -92,6 +92,9 @@ def _save(model: onnx.ModelProto, path: Path) -> None:
         onnx.save_model(model, str(path), save_as_external_data=True, all_tensors_to_one_file=True,
                         location=f"{path.name}.data", size_threshold=1024)
         os.chmod(path.parent / f"{path.name}.data", 0o644)
+        # GraphBuilder.model() could not check a graph above 2 GiB in memory; the path-based
+        # checker reads the external data itself
+        onnx.checker.check_model(str(path), full_check=True)
     else:
         onnx.save_model(model, str(path))
 

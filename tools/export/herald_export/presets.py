@@ -103,11 +103,6 @@ def speech_tokenizer_config(scale: int = 1) -> dict:
     return raw
 
 
-#: The graph builder (onnx_graph.GraphBuilder) holds a whole graph as one in-memory protobuf and
-#: checks it with ``onnx.checker`` before saving; protobuf cannot exceed 2 GiB, so a step graph
-#: whose weights exceed this cannot be built yet (1.7B: 2.8 GB in fp16, 5.7 GB in fp32). External
-#: data on disk (bundle.EXTERNAL_DATA_BYTES) covers the 1.5-2 GiB range (0.6B fp32: 1.77 GB).
-MAX_GRAPH_BYTES = 2**31 - 2**26
 
 
 def graph_weight_bytes(preset: str, dtype: str, scale: int = 1) -> dict[str, int]:
@@ -123,16 +118,6 @@ def graph_weight_bytes(preset: str, dtype: str, scale: int = 1) -> dict[str, int
         "code_predictor": total(lambda k: k.startswith(("talker.code_predictor.model.layers.", "talker.code_predictor.lm_head.",
                                                         "talker.code_predictor.small_to_mtp")) or k == "talker.code_predictor.model.norm.weight"),
     }
-
-
-def check_buildable(preset: str, dtype: str) -> None:
-    """Raise ExportError when a step graph of ``preset`` would exceed :data:`MAX_GRAPH_BYTES`."""
-    from .errors import ExportError
-
-    for graph, n in graph_weight_bytes(preset, dtype).items():
-        if n > MAX_GRAPH_BYTES:
-            raise ExportError(preset, f"the {graph} graph holds {n / 1e9:.2f} GB of {dtype} weights; the graph builder keeps a "
-                              f"graph in one protobuf (at most 2 GiB) and cannot export it yet (0.6B works in both dtypes)")
 
 
 def lm_tensor_shapes(preset: str, scale: int = 1) -> dict[str, tuple[int, ...]]:
