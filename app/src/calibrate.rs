@@ -5,8 +5,9 @@
 //! texts, fixed seed, at most [`MAX_FRAMES`] frames each, no audio device), all with the
 //! default ramp through the real pipeline on the derived CPU sets. From their chunk timelines:
 //! the production rate (frames after the first chunk / time between first and last chunk,
-//! median over utterances), the jitter (worst lateness of a chunk against that rate, at least
-//! [`MIN_JITTER_MS`]), TTFA; separately, the vocoder's cost per chunk size. The schedule follows
+//! median over utterances), the decode time per frame, the vocoder's cost per window length,
+//! the jitter (worst lateness of a chunk against the model those make, at least
+//! [`MIN_JITTER_MS`]), TTFA. The schedule follows
 //! `board::calibration::derive_schedule`, checked against a simulation of this board
 //! (`derive_checked_schedule`). `--chart FILE.svg` then speaks once more with the
 //! calibrated ramp and draws both timelines against the playback clock.
@@ -36,8 +37,9 @@ const TEXTS: &[&str] = &[
 ];
 /// Frames of the simulated utterance a schedule is checked on (24 s: past the end of the ramp).
 const CHECK_FRAMES: usize = 300;
-/// Chunk sizes whose vocoder cost is measured (capped at the steady chunk).
-const SIZES: &[usize] = &[1, 2, 4, 8, 16, 25];
+/// Window lengths (frames of left context + chunk) whose vocoder cost is measured, up to the
+/// longest window (left context + steady chunk), which is always measured.
+const WINDOWS: &[usize] = &[1, 2, 4, 8, 16, 32, 48, 64, 80];
 
 /// `herald calibrate` arguments.
 #[derive(Debug, Clone, clap::Args)]
@@ -84,11 +86,28 @@ fn measure(engine: &Engine, req: &Request) -> Result<engine::Report, Failure> {
 
 /// Run the calibration; prints a summary and the path written.
 pub fn run(cfg: &Config, args: &CalibrateArgs) -> Result<(), Failure> {
+    let mut cfg = cfg.clone();
+    if let Some(d) = &args.dir {
+        cfg.runtime.calibration_dir = d.clone();
+    }
+    let cfg = &cfg;
+    // Where the results go must be writable before minutes of measuring, not after.
+    check_store_dir(&cfg.runtime.calibration_dir).map_err(|e| fail(EXIT_INPUT, e))?;
+    if let Some(chart) = &args.chart {
+        check_chart_path(chart).map_err(|e| fail(EXIT_INPUT, e))?;
+    }
     let dir = &cfg.model.bundle;
     let bundle_ctx = |e: engine::ManifestError| fail(EXIT_BUNDLE, anyhow::Error::new(e).context(format!("bundle {}", dir.display())));
     let manifest = engine::Manifest::load(dir).map_err(bundle_ctx)?;
     let tuned = tuning::tune(cfg, dir, &manifest).map_err(tune_failure)?;
     tuned.log();
+    let profile_override = tuned.profile.source.starts_with("override:");
+    if profile_override {
+        log::warn!(
+            "HERALD_HW_PROFILE is set: measuring this machine but filing the result under that profile's fingerprint; \
+             the file is marked, and a board probing itself ignores it"
+        );
+    }
     engine::set_compute_threads(tuned.threads);
     // measure with the configured (default) ramp, never with a previous calibration
     let default_ramp = cfg.synthesis.ramp.clone();
@@ -103,6 +122,7 @@ pub fn run(cfg: &Config, args: &CalibrateArgs) -> Result<(), Failure> {
     measure(&engine, &request(cfg, 0))?;
     let mut rates = Vec::new();
     let mut prefill = Vec::new();
+    let mut decode = Vec::new();
     let mut ttfa = Vec::new();
     let mut timelines = Vec::new();
     for i in 0..args.utterances as usize {
@@ -111,6 +131,8 @@ pub fn run(cfg: &Config, args: &CalibrateArgs) -> Result<(), Failure> {
             Some(rate) if r.chunk_times.len() >= 3 => {
                 rates.push(rate);
                 prefill.push(r.stats.prefill.mean() * 1e3);
+                let st = &r.stats;
+                decode.push((st.talker.total() + st.predictor.total() + st.sampling.total()) * 1e3 / r.frames.max(1) as f64);
                 ttfa.push(r.ttfa * 1e3);
                 timelines.push(r.chunk_times.clone());
                 log::info!("utterance {}: {} frames, {:.1} frames/s, {}", i + 1, r.frames, rate, r.playback);
@@ -126,34 +148,49 @@ pub fn run(cfg: &Config, args: &CalibrateArgs) -> Result<(), Failure> {
     }
     let rate = median(&mut rates);
     let ms_per_frame = 1e3 / rate;
-    let jitter = timelines.iter().map(|t| calibration::jitter_ms(t, ms_per_frame)).fold(MIN_JITTER_MS, f64::max);
-    let sizes: Vec<usize> = SIZES.iter().copied().filter(|&n| n <= steady).collect();
-    let costs = engine.vocoder_cost(&sizes, 5).map_err(|e| fail(engine_code(&e), e))?;
-    let vocoder_ms: BTreeMap<usize, f64> = sizes.iter().copied().zip(costs.iter().map(|s| s * 1e3)).collect();
+    let decode_ms_per_frame = median(&mut decode);
+    let prefill_ms = median(&mut prefill);
+    let left_context = cfg.synthesis.left_context;
+    let windows: Vec<usize> = WINDOWS.iter().copied().filter(|&w| w < left_context + steady).chain([left_context + steady]).collect();
+    let costs = engine.vocoder_cost(&windows, 5).map_err(|e| fail(engine_code(&e), e))?;
+    let vocoder_ms: BTreeMap<usize, f64> = windows.iter().copied().zip(costs.iter().map(|s| s * 1e3)).collect();
+    // jitter: what the model of this board (decode time per frame, vocoder cost per window)
+    // does not explain in the measured timelines
+    let voc = |w: usize| calibration::vocoder_cost_ms(&vocoder_ms, w);
+    let jitter = timelines
+        .iter()
+        .map(|t| {
+            let frames = t.iter().map(|c| c.1).sum();
+            let model = calibration::simulate(&default_ramp, decode_ms_per_frame, prefill_ms, &voc, left_context, frames);
+            calibration::lateness_ms(t, &model)
+        })
+        .fold(MIN_JITTER_MS, f64::max);
     let measured = Measured {
         utterances: rates.len(),
         rate_frames_per_s: rate,
         ms_per_frame,
         rtf: ms_per_frame / frame_ms,
+        decode_ms_per_frame,
         jitter_ms: jitter,
-        prefill_ms: median(&mut prefill),
+        prefill_ms,
         vocoder_ms,
         ttfa_default_ms: median(&mut ttfa),
     };
     let formula = calibration::derive_schedule(ms_per_frame, jitter, steady);
-    let schedule = calibration::derive_checked_schedule(&measured, steady, CHECK_FRAMES);
+    let schedule = calibration::derive_checked_schedule(&measured, steady, left_context, CHECK_FRAMES);
     let cal = Calibration {
         version: calibration::FORMAT_VERSION,
         fingerprint: tuned.fingerprint.clone(),
         herald: env!("CARGO_PKG_VERSION").to_string(),
         created_unix: SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| d.as_secs()),
         hardware: tuned.profile.describe(),
+        profile_override,
         bundle: format!("{} ({} {} {})", dir.display(), manifest.model.family, manifest.model.size, manifest.model.dtype),
         measured,
         formula,
         schedule,
     };
-    let store_dir = args.dir.clone().unwrap_or_else(|| cfg.runtime.calibration_dir.clone());
+    let store_dir = cfg.runtime.calibration_dir.clone();
     let path = calibration::store(&store_dir, &cal).map_err(|e| fail(EXIT_INPUT, e))?;
     let m = &cal.measured;
     println!("board       {}", cal.hardware);
@@ -163,7 +200,8 @@ pub fn run(cfg: &Config, args: &CalibrateArgs) -> Result<(), Failure> {
         m.rate_frames_per_s, m.ms_per_frame, m.rtf, m.jitter_ms, m.prefill_ms, m.ttfa_default_ms
     );
     let costs: Vec<String> = m.vocoder_ms.iter().map(|(n, ms)| format!("{n}: {ms:.1}")).collect();
-    println!("vocoder     ms per chunk of N frames (with {} frames of context): {}", engine_left_context(cfg), costs.join(", "));
+    println!("vocoder     ms per window of N frames (left context + chunk): {}", costs.join(", "));
+    println!("decode      {:.1} ms per frame (talker + code predictor + sampling)", m.decode_ms_per_frame);
     println!(
         "formula     ramp {:?} (lead {:.0} ms, safety margin {:.0} ms)",
         cal.formula.ramp, cal.formula.lead_ms, cal.formula.safety_margin_ms
@@ -196,17 +234,52 @@ pub fn run(cfg: &Config, args: &CalibrateArgs) -> Result<(), Failure> {
     Ok(())
 }
 
-fn engine_left_context(cfg: &Config) -> usize {
-    cfg.synthesis.left_context
+/// The calibration directory exists (or can be created) and takes a file: checked by writing
+/// and removing a probe file.
+fn check_store_dir(dir: &Path) -> anyhow::Result<()> {
+    use anyhow::Context as _;
+    if dir.exists() && !dir.is_dir() {
+        anyhow::bail!("calibration directory {}: not a directory", dir.display());
+    }
+    std::fs::create_dir_all(dir).with_context(|| format!("cannot create the calibration directory {}", dir.display()))?;
+    probe_write(dir).with_context(|| format!("cannot write to the calibration directory {}", dir.display()))
 }
 
-/// Write `bytes` to `path` through a temporary file in the same directory and a rename.
+/// `--chart PATH`: a new or regular file in an existing, writable directory.
+fn check_chart_path(path: &Path) -> anyhow::Result<()> {
+    use anyhow::Context as _;
+    if path.file_name().is_none() {
+        anyhow::bail!("--chart {}: not a file name", path.display());
+    }
+    match std::fs::metadata(path) {
+        Ok(m) if !m.is_file() => anyhow::bail!("--chart {}: exists and is not a regular file", path.display()),
+        _ => {}
+    }
+    let dir = path.parent().filter(|d| !d.as_os_str().is_empty()).unwrap_or(Path::new("."));
+    if !dir.is_dir() {
+        anyhow::bail!("--chart {}: the directory {} does not exist", path.display(), dir.display());
+    }
+    probe_write(dir).with_context(|| format!("--chart {}: cannot write to {}", path.display(), dir.display()))
+}
+
+fn probe_write(dir: &Path) -> std::io::Result<()> {
+    let probe = dir.join(format!(".herald-write-test-{}", std::process::id()));
+    std::fs::write(&probe, b"")?;
+    std::fs::remove_file(&probe)
+}
+
+/// Write `bytes` to `path` through a temporary file in the same directory and a rename (the
+/// path was checked by [`check_chart_path`]: new or a regular file).
 fn write_atomic(path: &Path, bytes: &[u8]) -> anyhow::Result<()> {
     use anyhow::Context as _;
+    check_chart_path(path)?;
     let dir = path.parent().filter(|d| !d.as_os_str().is_empty()).unwrap_or(Path::new("."));
     let name = path.file_name().with_context(|| format!("--chart {}: not a file name", path.display()))?;
     let tmp = dir.join(format!(".{}.tmp-{}", name.to_string_lossy(), std::process::id()));
-    std::fs::write(&tmp, bytes).with_context(|| format!("cannot write {}", tmp.display()))?;
+    std::fs::write(&tmp, bytes).map_err(|e| {
+        let _ = std::fs::remove_file(&tmp);
+        anyhow::Error::new(e).context(format!("cannot write {}", path.display()))
+    })?;
     std::fs::rename(&tmp, path).map_err(|e| {
         let _ = std::fs::remove_file(&tmp);
         anyhow::Error::new(e).context(format!("cannot write {}", path.display()))

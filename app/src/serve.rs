@@ -84,6 +84,21 @@ pub(crate) fn run(config: Option<&Path>, args: ServeArgs) -> Result<(), Failure>
             None
         }
     };
+    // The amplifier line (only when playing): a missing chip or line stops here, at start-up.
+    let amp = match (&cfg.amplifier.chip, &args.out_dir) {
+        (Some(chip), None) => {
+            let a = board::amp::open_line(
+                chip,
+                cfg.amplifier.line,
+                cfg.amplifier.active == crate::config::ActiveLevel::Low,
+                std::time::Duration::from_millis(cfg.amplifier.lead_ms.into()),
+            )
+            .map_err(|e| fail(crate::EXIT_AUDIO, e))?;
+            log::info!("amplifier: line {} of GPIO chip '{chip}', enabled {} ms before each utterance", cfg.amplifier.line, cfg.amplifier.lead_ms);
+            Some(std::cell::RefCell::new(a))
+        }
+        _ => None,
+    };
     let fifo = Fifo::open(&args.fifo).map_err(|e| fail(EXIT_INPUT, e))?;
     let status = |s: &str| {
         if let Some(n) = &notifier {
@@ -122,7 +137,8 @@ pub(crate) fn run(config: Option<&Path>, args: ServeArgs) -> Result<(), Failure>
     let heartbeat = Heartbeat::new();
     let watchdog = notifier.as_ref().and_then(|n| Watchdog::start(n, &heartbeat));
 
-    let mut server = Server { cfg: &cfg, engine: &engine, rate, out_dir: args.out_dir.as_deref(), heartbeat: &heartbeat, spoken: 0, skipped: 0 };
+    let mut server =
+        Server { cfg: &cfg, engine: &engine, rate, out_dir: args.out_dir.as_deref(), heartbeat: &heartbeat, amp: amp.as_ref(), spoken: 0, skipped: 0 };
     let result = server.read_loop(&fifo, &status);
     let stopping = format!("stopping; {} line(s) spoken, {} skipped", server.spoken, server.skipped);
     log::info!("{stopping}");
@@ -294,8 +310,21 @@ struct Server<'a> {
     rate: u32,
     out_dir: Option<&'a Path>,
     heartbeat: &'a Heartbeat,
+    /// The amplifier line, opened at start-up (None: not configured, or writing files).
+    amp: Option<&'a std::cell::RefCell<board::amp::LineAmplifier>>,
     spoken: u64,
     skipped: u64,
+}
+
+/// Turns the amplifier off when a line ends, however it ends.
+struct AmpOff<'a>(&'a std::cell::RefCell<board::amp::LineAmplifier>);
+
+impl Drop for AmpOff<'_> {
+    fn drop(&mut self) {
+        if let Err(e) = self.0.borrow_mut().disable() {
+            log::warn!("{e}");
+        }
+    }
 }
 
 impl Server<'_> {
@@ -381,6 +410,16 @@ impl Server<'_> {
         let mut sink: Box<dyn AudioSink> = match &file_out {
             Some(f) => Box::new(WavSink::create(f.write_path(), shaper)?),
             None => Box::new(AlsaSink::new(cfg.alsa_settings(), shaper)),
+        };
+        // The amplifier goes on `lead_ms` before the first sample and off after the drain, on
+        // every path out of this function.
+        let _amp = match self.amp {
+            Some(cell) => {
+                let mut a = cell.borrow_mut();
+                a.enable()?;
+                Some(AmpOff(cell))
+            }
+            None => None,
         };
         sink.begin(self.rate)?;
         match seed {

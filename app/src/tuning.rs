@@ -173,7 +173,8 @@ pub fn tune_for(
     let (ramp, ramp_source) = if cfg.origin("synthesis.ramp") != "default" {
         (cfg.synthesis.ramp.clone(), RampSource::Configured)
     } else {
-        match calibration::load(&cfg.runtime.calibration_dir, &fingerprint, steady) {
+        let live = !profile.source.starts_with("override:");
+        match calibration::load(&cfg.runtime.calibration_dir, &fingerprint, steady, live) {
             Lookup::Found(cal, path) => (cal.schedule.ramp.clone(), RampSource::Calibrated(path)),
             Lookup::Missing(path) => (cfg.synthesis.ramp.clone(), RampSource::Default(path)),
             Lookup::Ignored(why) => (cfg.synthesis.ramp.clone(), RampSource::Ignored(why)),

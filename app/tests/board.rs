@@ -74,7 +74,7 @@ fn probe_derives_settings_for_every_snapshot() {
     let cases = [
         ("jetson-orin-nano", "[0, 1, 2, 3]", "[4, 5]", "jetson"),
         ("rpi5", "[0, 1, 2]", "[3]", "arm64_cpu"),
-        ("rb3gen2", "[7]", "[7]", "snapdragon_npu"),
+        ("rb3gen2", "[7, 4, 5]", "[6]", "snapdragon_npu"),
         ("rk3588", "[4, 5, 6]", "[7]", "arm64_cpu"),
         ("x86", "[0]", "[1]", "x86_cpu"),
     ];
@@ -247,4 +247,46 @@ fn a_missing_amplifier_chip_stops_speak_at_start_up() {
     );
     assert!(o.status.success(), "{}", text(&o.stderr));
     assert!(wav.is_file());
+}
+
+#[test]
+fn serve_opens_the_amplifier_line_at_start_up() {
+    let d = tmp("serve-amp");
+    let o = herald(
+        &["serve", "--bundle", bundle().to_str().unwrap(), "--fifo", d.join("say").to_str().unwrap()],
+        &[("HERALD_AMPLIFIER_CHIP", "no-such-chip"), ("RUST_LOG", "info")],
+    );
+    assert_eq!(o.status.code(), Some(3), "{}", text(&o.stderr));
+    let err = text(&o.stderr);
+    assert!(err.contains("no GPIO chip labelled 'no-such-chip'") && !err.contains("ready"), "{err}");
+    assert!(!d.join("say").exists());
+}
+
+#[test]
+fn calibrate_checks_where_it_writes_before_measuring() {
+    let d = tmp("calibrate-paths");
+    let b = bundle();
+    let file = d.join("a-file");
+    std::fs::write(&file, "x").unwrap();
+    let missing = d.join("missing/x.svg");
+    let cal = d.join("cal");
+    let cases: [(&[&str], &str); 3] = [
+        (&["--dir", file.to_str().unwrap()], "not a directory"),
+        (&["--chart", missing.to_str().unwrap()], "does not exist"),
+        (&["--chart", "/dev/null"], "not a regular file"),
+    ];
+    for (extra, needle) in cases {
+        let mut args = vec!["calibrate", "--bundle", b.to_str().unwrap()];
+        args.extend_from_slice(extra);
+        if !extra.contains(&"--dir") {
+            args.extend_from_slice(&["--dir", cal.to_str().unwrap()]);
+        }
+        let o = herald(&args, &[("RUST_LOG", "info")]);
+        assert_eq!(o.status.code(), Some(2), "{extra:?}: {}", text(&o.stderr));
+        let err = text(&o.stderr);
+        // refused before the model was loaded and measured
+        assert!(err.contains(needle) && !err.contains("warming up"), "{extra:?}: {err}");
+    }
+    // /dev/null is still a device
+    assert!(!std::fs::metadata("/dev/null").unwrap().is_file());
 }

@@ -182,6 +182,9 @@ impl AmpError {
 /// Sleeps for the lead time; injectable so tests can observe the lead without waiting.
 pub type Sleeper = Box<dyn FnMut(Duration) + Send>;
 
+/// The amplifier on a real GPIO line, as [`open_line`] returns it.
+pub type LineAmplifier = Amplifier<CdevPin>;
+
 /// An amplifier-enable line: drives `pin` to the active level and waits `lead` on
 /// [`enable`](Self::enable), drives it inactive on [`disable`](Self::disable), and drives it
 /// inactive when dropped while still active.

@@ -86,15 +86,17 @@ pub fn derive_schedule(ms_per_frame: f64, jitter_ms: f64, steady: usize) -> Sche
 }
 
 /// The chunk timeline a schedule gives on a board that produces one frame every
-/// `ms_per_frame` after a prefill of `prefill_ms`, with a vocoder that takes `vocoder_ms(n)` for
-/// a chunk of `n` frames on its own thread: chunk `i` (frames up to `F_i`) is ready at
-/// `max(prefill + F_i × ms_per_frame, ready_(i-1)) + vocoder_ms(n_i)`. Returns
+/// `ms_per_frame` after a prefill of `prefill_ms`, with a vocoder on its own thread that takes
+/// `vocoder_ms(w)` for a window of `w` frames: chunk `i` of `n_i` frames (frames up to `F_i`)
+/// has the window `min(left_context, F_(i-1)) + n_i` and is ready at
+/// `max(prefill + F_i × ms_per_frame, ready_(i-1)) + vocoder_ms(window_i)`. Returns
 /// `(arrival s, frames)` for `frames` frames in all, the form of `Report::chunk_times`.
 pub fn simulate(
     ramp: &[usize],
     ms_per_frame: f64,
     prefill_ms: f64,
     vocoder_ms: &dyn Fn(usize) -> f64,
+    left_context: usize,
     frames: usize,
 ) -> Vec<(f64, usize)> {
     let steady = ramp.last().copied().unwrap_or(1).max(1);
@@ -103,15 +105,16 @@ pub fn simulate(
     let mut i = 0;
     while done < frames {
         let n = ramp.get(i).copied().unwrap_or(steady).max(1).min(frames - done);
+        let window = done.min(left_context) + n;
         done += n;
-        ready = (prefill_ms + done as f64 * ms_per_frame).max(ready) + vocoder_ms(n);
+        ready = (prefill_ms + done as f64 * ms_per_frame).max(ready) + vocoder_ms(window);
         out.push((ready / 1e3, n));
         i += 1;
     }
     out
 }
 
-/// The vocoder cost of a chunk of `n` frames, interpolated linearly between the measured sizes
+/// The vocoder cost of a window of `n` frames, interpolated linearly between the measured sizes
 /// (and extrapolated from the two nearest at the ends); 0 with no measurements.
 pub fn vocoder_cost_ms(measured: &BTreeMap<usize, f64>, n: usize) -> f64 {
     if let Some(&ms) = measured.get(&n) {
@@ -145,14 +148,15 @@ pub fn vocoder_cost_ms(measured: &BTreeMap<usize, f64>, n: usize) -> f64 {
 /// chunk takes twice as long to produce as the previous one lasts. The simulation catches that.
 /// On a board slower than real time no finite lead avoids a stall in a long utterance; the
 /// check then stops at the formula.
-pub fn derive_checked_schedule(m: &Measured, steady: usize, frames: usize) -> Schedule {
+pub fn derive_checked_schedule(m: &Measured, steady: usize, left_context: usize, frames: usize) -> Schedule {
     let mut s = derive_schedule(m.ms_per_frame, m.jitter_ms, steady);
     if m.ms_per_frame > FRAME_MS {
         return s;
     }
     let voc = |n: usize| vocoder_cost_ms(&m.vocoder_ms, n);
     let stalls = |ramp: &[usize]| {
-        let mut t = simulate(ramp, m.ms_per_frame, m.prefill_ms, &voc, frames);
+        let mpf = if m.decode_ms_per_frame > 0.0 { m.decode_ms_per_frame } else { m.ms_per_frame };
+        let mut t = simulate(ramp, mpf, m.prefill_ms, &voc, left_context, frames);
         for c in t.iter_mut().skip(1) {
             c.0 += m.jitter_ms / 1e3;
         }
@@ -197,18 +201,13 @@ pub fn rate_from_chunks(chunks: &[(f64, usize)]) -> Option<f64> {
     (wall > 0.0 && frames > 0).then(|| frames as f64 / wall)
 }
 
-/// Worst lateness of a chunk against steady production at `ms_per_frame` from the first
-/// arrival, ms (≥ 0): chunk `i` is expected at `t_0 + F_i × ms_per_frame`, `F_i` the frames
-/// after the first chunk up to and including chunk `i`.
-pub fn jitter_ms(chunks: &[(f64, usize)], ms_per_frame: f64) -> f64 {
-    let Some(&(t0, _)) = chunks.first() else { return 0.0 };
-    let mut frames = 0usize;
-    let mut worst: f64 = 0.0;
-    for &(t, n) in &chunks[1..] {
-        frames += n;
-        worst = worst.max((t - t0) * 1e3 - frames as f64 * ms_per_frame);
-    }
-    worst
+/// Jitter: the worst lateness of a measured chunk against the model of the board, ms (≥ 0):
+/// `max_i (measured_i − modelled_i)` over chunks present in both timelines (arrival seconds),
+/// where the model is [`simulate`] with the measured decode time per frame, prefill and vocoder
+/// cost per window. What the model explains (production, vocoder windows) is not jitter; what
+/// is left (scheduling, caches, other processes) is.
+pub fn lateness_ms(measured: &[(f64, usize)], modelled: &[(f64, usize)]) -> f64 {
+    measured.iter().zip(modelled).map(|(m, s)| (m.0 - s.0) * 1e3).fold(0.0, f64::max)
 }
 
 /// What calibration measured on this board.
@@ -222,11 +221,15 @@ pub struct Measured {
     pub ms_per_frame: f64,
     /// Real-time factor of production, ms_per_frame / 80.
     pub rtf: f64,
-    /// Worst chunk lateness against steady production, ms, at least [`MIN_JITTER_MS`].
+    /// Decode time per frame (talker + code predictor + sampling, from the step statistics),
+    /// ms: the production side of the model [`simulate`] runs.
+    pub decode_ms_per_frame: f64,
+    /// Worst chunk lateness against the board's model ([`lateness_ms`]), ms, at least
+    /// [`MIN_JITTER_MS`].
     pub jitter_ms: f64,
     /// Median prefill (prompt) time, ms.
     pub prefill_ms: f64,
-    /// Median vocoder time per chunk size (frames → ms), each with a full left context.
+    /// Median vocoder time per window length (frames of left context + chunk → ms).
     pub vocoder_ms: BTreeMap<usize, f64>,
     /// Median time to first audio with the default ramp, ms.
     pub ttfa_default_ms: f64,
@@ -247,6 +250,11 @@ pub struct Calibration {
     pub hardware: String,
     /// The bundle's identity string ([`fingerprint`]'s second input).
     pub bundle: String,
+    /// Measured while `HERALD_HW_PROFILE` described another board: the numbers are this
+    /// machine's, filed under that board's fingerprint (tests, demonstrations). A live probe
+    /// ignores such a file.
+    #[serde(default)]
+    pub profile_override: bool,
     /// The measurements.
     pub measured: Measured,
     /// The formula's schedule ([`derive_schedule`]).
@@ -336,12 +344,34 @@ pub enum Lookup {
     Ignored(String),
 }
 
+/// The largest calibration file read, bytes (a real one is about 1 KiB).
+pub const MAX_FILE_BYTES: u64 = 1 << 20;
+
+/// Read a regular file of at most [`MAX_FILE_BYTES`]. Opened non-blocking, so that a FIFO in its
+/// place cannot hang the caller; anything but a regular file is an error.
+fn read_small_regular(path: &Path) -> std::io::Result<String> {
+    use std::io::Read;
+    use std::os::unix::fs::OpenOptionsExt;
+    let f = fs::OpenOptions::new().read(true).custom_flags(libc::O_NONBLOCK).open(path)?;
+    let md = f.metadata()?;
+    if !md.is_file() {
+        return Err(std::io::Error::other("not a regular file"));
+    }
+    if md.len() > MAX_FILE_BYTES {
+        return Err(std::io::Error::other(format!("{} bytes, more than a calibration file ({MAX_FILE_BYTES} at most)", md.len())));
+    }
+    let mut text = String::new();
+    f.take(MAX_FILE_BYTES).read_to_string(&mut text)?;
+    Ok(text)
+}
+
 /// Read the calibration of `fingerprint` from `dir`, checking that it is well-formed, of this
 /// format version, for this fingerprint, and has a usable ramp (1..=32 entries of 1..=256
-/// frames) ending at `steady` (any ending when `steady` is 0).
-pub fn load(dir: &Path, fingerprint: &str, steady: usize) -> Lookup {
+/// frames) ending at `steady` (any ending when `steady` is 0). `live`: the hardware profile
+/// comes from the probe, so a file measured under a profile override does not apply.
+pub fn load(dir: &Path, fingerprint: &str, steady: usize, live: bool) -> Lookup {
     let path = path_for(dir, fingerprint);
-    let text = match fs::read_to_string(&path) {
+    let text = match read_small_regular(&path) {
         Ok(t) => t,
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Lookup::Missing(path),
         Err(e) => return Lookup::Ignored(format!("{}: {e}", path.display())),
@@ -364,9 +394,17 @@ pub fn load(dir: &Path, fingerprint: &str, steady: usize) -> Lookup {
             cal.fingerprint
         ));
     }
+    if live && cal.profile_override {
+        return Lookup::Ignored(format!(
+            "{}: measured on another machine under HERALD_HW_PROFILE, not on this board",
+            path.display()
+        ));
+    }
     let r = &cal.schedule.ramp;
     if r.is_empty() || r.contains(&0) || r.len() > 32 || r.iter().any(|&n| n > 256) {
-        return Lookup::Ignored(format!("{}: unusable ramp {r:?}", path.display()));
+        let shown: Vec<usize> = r.iter().copied().take(8).collect();
+        let more = if r.len() > 8 { format!(" … ({} entries)", r.len()) } else { String::new() };
+        return Lookup::Ignored(format!("{}: unusable ramp {shown:?}{more}", path.display()));
     }
     if steady > 0 && r.last() != Some(&steady) {
         return Lookup::Ignored(format!(
@@ -413,20 +451,22 @@ mod tests {
 
     #[test]
     fn simulated_timeline_by_hand() {
-        // 50 ms/frame, prefill 100 ms, vocoder 10 ms + 1 ms per frame; ramp 2, 4 then 4s.
-        // chunk 0: frames 1-2 done at 100 + 100 = 200, +12 -> 212 ms
-        // chunk 1: frames 3-6 done at 400, +14 -> 414; chunk 2: 7-10 at 600 -> 614;
-        // chunk 3: 2 frames (11-12) at 700 -> 712
-        let voc = |n: usize| 10.0 + n as f64;
-        let t = simulate(&[2, 4], 50.0, 100.0, &voc, 12);
-        let want = [(0.212, 2), (0.414, 4), (0.614, 4), (0.712, 2)];
+        // 50 ms/frame, prefill 100 ms, vocoder 10 ms + 1 ms per window frame, left context 8;
+        // ramp 2, 4 then 4s.
+        // chunk 0: frames 1-2 done at 100 + 100 = 200, window 2 -> +12 -> 212 ms
+        // chunk 1: frames 3-6 done at 400, window 2 + 4 -> +16 -> 416
+        // chunk 2: frames 7-10 done at 600, window min(8, 6) + 4 = 10 -> +20 -> 620
+        // chunk 3: frames 11-12 done at 700, window min(8, 10) + 2 = 10 -> +20 -> 720
+        let voc = |w: usize| 10.0 + w as f64;
+        let t = simulate(&[2, 4], 50.0, 100.0, &voc, 8, 12);
+        let want = [(0.212, 2), (0.416, 4), (0.620, 4), (0.720, 2)];
         assert_eq!(t.len(), want.len());
         for (a, b) in t.iter().zip(want) {
             assert!((a.0 - b.0).abs() < 1e-9 && a.1 == b.1, "{t:?}");
         }
         // a vocoder slower than production delays every later chunk behind it
         let slow = |_n: usize| 300.0;
-        let t = simulate(&[2], 50.0, 0.0, &slow, 6);
+        let t = simulate(&[2], 50.0, 0.0, &slow, 72, 6);
         assert_eq!(t.iter().map(|c| (c.0 * 1e3).round() as i64).collect::<Vec<_>>(), [400, 700, 1000]);
     }
 
@@ -447,6 +487,7 @@ mod tests {
             rate_frames_per_s: 1e3 / ms_per_frame,
             ms_per_frame,
             rtf: ms_per_frame / 80.0,
+            decode_ms_per_frame: ms_per_frame,
             jitter_ms: jitter,
             prefill_ms: 20.0,
             vocoder_ms: BTreeMap::from([(1, 2.0), (25, 10.0)]),
@@ -458,7 +499,7 @@ mod tests {
     fn checked_schedule_keeps_the_formula_on_a_fast_board() {
         // 5 ms/frame: the formula's 1-frame start never stalls
         let m = measured(5.0, 20.0);
-        assert_eq!(derive_checked_schedule(&m, 25, 300), derive_schedule(5.0, 20.0, 25));
+        assert_eq!(derive_checked_schedule(&m, 25, 72, 300), derive_schedule(5.0, 20.0, 25));
     }
 
     #[test]
@@ -470,14 +511,14 @@ mod tests {
         assert_eq!(formula.first_chunk, 1);
         let voc = |n: usize| vocoder_cost_ms(&m.vocoder_ms, n);
         let late = |ramp: &[usize]| {
-            let mut t = simulate(ramp, 70.0, 20.0, &voc, 300);
+            let mut t = simulate(ramp, 70.0, 20.0, &voc, 72, 300);
             for c in t.iter_mut().skip(1) {
                 c.0 += 0.020;
             }
             playback_start(&t, 0.08) - t[0].0
         };
         assert!(late(&formula.ramp) > 0.0);
-        let checked = derive_checked_schedule(&m, 25, 300);
+        let checked = derive_checked_schedule(&m, 25, 72, 300);
         assert!(checked.first_chunk > 1);
         assert!(late(&checked.ramp) <= 1e-9, "{checked:?}");
         // and it is the smallest first chunk that does not stall
@@ -493,7 +534,7 @@ mod tests {
     #[test]
     fn checked_schedule_on_a_board_slower_than_real_time_is_the_formula() {
         let m = measured(100.0, 40.0);
-        assert_eq!(derive_checked_schedule(&m, 25, 300).ramp, vec![7, 14, 25]);
+        assert_eq!(derive_checked_schedule(&m, 25, 72, 300).ramp, vec![7, 14, 25]);
     }
 
     #[test]
@@ -502,10 +543,9 @@ mod tests {
         let t = [(0.1, 2), (0.3, 4), (0.7, 8)];
         let r = rate_from_chunks(&t).unwrap();
         assert!((r - 20.0).abs() < 1e-9);
-        // steady 50 ms/frame: chunk 1 expected at 0.1 + 0.2 = 0.3 (on time), chunk 2 at
-        // 0.1 + 0.6 = 0.7 (on time): jitter 0; at 40 ms/frame chunk 2 is 120 ms late
-        assert!(jitter_ms(&t, 50.0).abs() < 1e-9);
-        assert!((jitter_ms(&t, 40.0) - 120.0).abs() < 1e-6);
+        // against a model: the worst lateness, never negative
+        assert!((lateness_ms(&t, &[(0.1, 2), (0.25, 4), (0.72, 8)]) - 50.0).abs() < 1e-9);
+        assert_eq!(lateness_ms(&t, &[(0.2, 2), (0.4, 4), (0.8, 8)]), 0.0);
         assert_eq!(rate_from_chunks(&[(0.1, 2)]), None);
     }
 
@@ -517,11 +557,13 @@ mod tests {
             created_unix: 1,
             hardware: "hw".into(),
             bundle: "b".into(),
+            profile_override: false,
             measured: Measured {
                 utterances: 2,
                 rate_frames_per_s: 20.0,
                 ms_per_frame: 50.0,
                 rtf: 0.625,
+                decode_ms_per_frame: 40.0,
                 jitter_ms: 20.0,
                 prefill_ms: 5.0,
                 vocoder_ms: BTreeMap::from([(1, 3.0), (25, 30.0)]),
@@ -541,14 +583,14 @@ mod tests {
         let path = store(&sub, &cal).unwrap();
         assert_eq!(path, sub.join("0123456789abcdef.json"));
         assert_eq!(fs::read_dir(&sub).unwrap().count(), 1);
-        match load(&sub, "0123456789abcdef", 25) {
+        match load(&sub, "0123456789abcdef", 25, true) {
             Lookup::Found(c, p) => {
                 assert_eq!(*c, cal);
                 assert_eq!(p, path);
             }
             other => panic!("{other:?}"),
         }
-        assert!(matches!(load(&sub, "ffffffffffffffff", 25), Lookup::Missing(_)));
+        assert!(matches!(load(&sub, "ffffffffffffffff", 25, true), Lookup::Missing(_)));
         fs::remove_dir_all(&dir).unwrap();
     }
 
@@ -559,7 +601,7 @@ mod tests {
         fs::create_dir_all(&dir).unwrap();
         let fp = "00000000000000aa";
         let write = |text: &str| fs::write(path_for(&dir, fp), text).unwrap();
-        let reason = |steady| match load(&dir, fp, steady) {
+        let reason = |steady| match load(&dir, fp, steady, true) {
             Lookup::Ignored(r) => r,
             other => panic!("{other:?}"),
         };
@@ -579,7 +621,32 @@ mod tests {
         // a bundle whose steady chunk differs
         write(&serde_json::to_string(&sample(fp)).unwrap());
         assert!(reason(30).contains("steady chunk of 30"));
-        assert!(matches!(load(&dir, fp, 25), Lookup::Found(..)));
+        assert!(matches!(load(&dir, fp, 25, true), Lookup::Found(..)));
+        // measured under HERALD_HW_PROFILE: fine for another override run, not for the board
+        let mut c = sample(fp);
+        c.profile_override = true;
+        write(&serde_json::to_string(&c).unwrap());
+        assert!(reason(25).contains("HERALD_HW_PROFILE"));
+        assert!(matches!(load(&dir, fp, 25, false), Lookup::Found(..)));
+        // a 1000-entry ramp is reported briefly
+        let mut c = sample(fp);
+        c.schedule.ramp = vec![1; 1000];
+        write(&serde_json::to_string(&c).unwrap());
+        let r = reason(25);
+        assert!(r.contains("(1000 entries)") && r.len() < 200, "{r}");
+        // not a regular file: a FIFO does not hang, a directory and a huge file are refused
+        let path = path_for(&dir, fp);
+        fs::remove_file(&path).unwrap();
+        let c_path = std::ffi::CString::new(path.to_str().unwrap()).unwrap();
+        // SAFETY: a valid NUL-terminated path
+        assert_eq!(unsafe { libc::mkfifo(c_path.as_ptr(), 0o600) }, 0);
+        assert!(reason(25).contains("not a regular file"));
+        fs::remove_file(&path).unwrap();
+        fs::create_dir(&path).unwrap();
+        assert!(reason(25).contains("not a regular file"));
+        fs::remove_dir(&path).unwrap();
+        fs::write(&path, vec![b' '; (MAX_FILE_BYTES + 1) as usize]).unwrap();
+        assert!(reason(25).contains("more than a calibration file"));
         fs::remove_dir_all(&dir).unwrap();
     }
 

@@ -149,7 +149,7 @@ pub struct DoesNotFit {
 }
 
 fn mib(b: u64) -> i64 {
-    (b / MIB) as i64
+    i64::try_from(b / MIB).unwrap_or(i64::MAX)
 }
 
 /// Derive the settings for `model` on `hw`.
@@ -199,7 +199,9 @@ pub fn derive(
     let weights = model.weights_bytes;
     let activations = (weights * 15 / 100).max(ACTIVATIONS_FLOOR);
     let headroom = class_headroom(hw.class);
-    let budget = available as i64 - weights as i64 - activations as i64 - headroom as i64;
+    // i128: a profile may claim any u64 of RAM
+    let budget = (i128::from(available) - i128::from(weights) - i128::from(activations) - i128::from(headroom))
+        .clamp(i128::from(i64::MIN), i128::from(i64::MAX)) as i64;
     let per_position = model.kv_bytes_per_position.max(1);
     if available == 0 {
         // The probe could not read /proc/meminfo (or an override left RAM out): nothing to
@@ -393,6 +395,16 @@ mod tests {
         assert_eq!(ok.kv_fit, 256);
         let err = derive(&hw, &qwen06(Dtype::Fp32, weights + 1), &[0, 1], 4096).unwrap_err();
         assert_eq!(err.fit, 255);
+    }
+
+    #[test]
+    fn absurd_ram_does_not_overflow() {
+        let mut hw = board(HardwareClass::Arm64Cpu, &["neon"], &[0, 1], &[], 1.0);
+        hw.ram_available_bytes = u64::MAX;
+        hw.ram_total_bytes = u64::MAX;
+        let d = derive(&hw, &qwen06(Dtype::Fp32, GIB), &[0, 1], 4096).unwrap();
+        assert!(d.memory_budget_bytes > 0);
+        assert_eq!(d.kv_capacity, 4096);
     }
 
     #[test]

@@ -18,6 +18,11 @@ use std::path::{Path, PathBuf};
 
 use serde::{Deserialize, Serialize};
 
+/// A cluster whose maximum frequency is at least this percentage of the fastest one's counts
+/// as big: the gold cores of a 1+3+4 Snapdragon (2.4 GHz next to a 2.7 GHz prime core, the same
+/// Cortex-A78) are big; its 1.96 GHz A55s (72 %) are not.
+pub const BIG_CLUSTER_PERCENT: u64 = 85;
+
 /// Environment variable naming a JSON file that replaces the live probe.
 pub const OVERRIDE_ENV: &str = "HERALD_HW_PROFILE";
 
@@ -156,12 +161,22 @@ impl HardwareProfile {
         flags.iter().all(|f| self.cpu_flags.iter().any(|c| c == f))
     }
 
-    /// The CPUs of the fastest cluster, else `0..n_logical`.
+    /// The big cores: the fastest cluster and every cluster within [`BIG_CLUSTER_PERCENT`] of
+    /// its maximum frequency, fastest first (a 1+3+4 Snapdragon gives prime + gold: 7, 4, 5,
+    /// 6); duplicates dropped. Without clusters: `0..n_logical`.
     pub fn big_cpus(&self) -> Vec<usize> {
-        match self.clusters.first() {
-            Some(c) if !c.cpus.is_empty() => c.cpus.clone(),
-            _ => (0..self.n_logical.max(1)).collect(),
+        let Some(top) = self.clusters.first().filter(|c| !c.cpus.is_empty()) else {
+            return (0..self.n_logical.max(1)).collect();
+        };
+        let mut out: Vec<usize> = Vec::new();
+        for c in self.clusters.iter().filter(|c| c.max_khz.saturating_mul(100) >= top.max_khz.saturating_mul(BIG_CLUSTER_PERCENT)) {
+            for &cpu in &c.cpus {
+                if !out.contains(&cpu) {
+                    out.push(cpu);
+                }
+            }
         }
+        out
     }
 
     /// Split the big cluster between the talker (first) and vocoder (second) stages: the talker

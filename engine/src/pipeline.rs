@@ -167,20 +167,22 @@ impl Engine {
         Ok(Engine { bundle, ramp, talker_place, vocoder_place, shared: Mutex::new(shared) })
     }
 
-    /// Median seconds the vocoder stage takes for one chunk of each size in `sizes` (frames),
-    /// decoded with a full left context, over `runs` runs (after one warm-up run), on the
-    /// vocoder stage's CPUs. For calibration: the cost grows with the window, `left context +
-    /// chunk`, so small chunks cost more per frame.
+    /// Median seconds the vocoder stage takes for one window of each length in `windows`
+    /// (frames: left context + chunk; the graph decodes the whole window, so its cost depends on
+    /// the length only), over `runs` runs after one warm-up run, on the vocoder stage's CPUs. For
+    /// calibration: the first chunks of an utterance have little context and cost less.
     ///
     /// # Errors
-    /// [`EngineError::Config`] for a size of 0 or above the largest chunk of the ramp; vocoder
-    /// errors.
-    pub fn vocoder_cost(&self, sizes: &[usize], runs: usize) -> Result<Vec<f64>, EngineError> {
+    /// [`EngineError::Config`] for a length of 0 or above left context + the ramp's largest
+    /// chunk; vocoder errors.
+    pub fn vocoder_cost(&self, windows: &[usize], runs: usize) -> Result<Vec<f64>, EngineError> {
         let mut guard = self.lock();
         let sh = &mut *guard;
-        let max = sh.schedule.max_chunk();
-        if let Some(bad) = sizes.iter().find(|&&n| n == 0 || n > max) {
-            return Err(EngineError::Config(format!("chunk size {bad} is outside 1..={max} (the ramp's largest chunk)")));
+        let max = sh.vocoder.left_context + sh.schedule.max_chunk();
+        if let Some(bad) = windows.iter().find(|&&n| n == 0 || n > max) {
+            return Err(EngineError::Config(format!(
+                "window of {bad} frames is outside 1..={max} (left context + the ramp's largest chunk)"
+            )));
         }
         let spf = self.bundle.manifest.audio.samples_per_frame as usize;
         let vocoder = &mut sh.vocoder;
@@ -188,13 +190,12 @@ impl Engine {
         thread::scope(|s| {
             let h = s.spawn(|| {
                 place.run(|| {
-                    let ctx = vocoder.left_context;
-                    let mut out = Vec::new();
+                    let mut out = vec![0.0f32; spf];
                     let mut times = Vec::with_capacity(runs.max(1));
-                    let mut medians = Vec::with_capacity(sizes.len());
-                    for &n in sizes {
-                        let window: Vec<Frame> = vec![[0u32; crate::synth::CODEBOOKS]; ctx + n];
-                        out.resize(n * spf, 0.0f32);
+                    let mut medians = Vec::with_capacity(windows.len());
+                    for &w in windows {
+                        let window: Vec<Frame> = vec![[0u32; crate::synth::CODEBOOKS]; w];
+                        let n = 1;
                         vocoder.decode(&window, n, &mut out)?;
                         times.clear();
                         for _ in 0..runs.max(1) {
