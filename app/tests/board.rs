@@ -6,52 +6,18 @@
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
 use std::path::{Path, PathBuf};
-use std::process::{Command, Output, Stdio};
+use std::process::Output;
 
-const HERALD: &str = env!("CARGO_BIN_EXE_herald");
+mod common;
 
-fn repo() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).parent().unwrap().to_path_buf()
-}
-
-fn bundle() -> PathBuf {
-    if let Some(d) = std::env::var_os("HERALD_TEST_BUNDLES").filter(|d| !d.is_empty()) {
-        return PathBuf::from(d).join("tiny-0.6b");
-    }
-    let out = PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join("board-bundle");
-    if !out.join("bundle.toml").is_file() {
-        let st = Command::new(repo().join("tools/export/export"))
-            .args(["export", "--tiny", "tiny-0.6b", "--seed", "7", "--quiet", "--out"])
-            .arg(&out)
-            .status()
-            .unwrap();
-        assert!(st.success());
-    }
-    out
-}
+use common::{bundle, repo};
 
 fn tmp(name: &str) -> PathBuf {
-    let d = PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join("board").join(name);
-    let _ = std::fs::remove_dir_all(&d);
-    std::fs::create_dir_all(&d).unwrap();
-    d
+    common::tmp("board", name)
 }
 
 fn herald(args: &[&str], env: &[(&str, &str)]) -> Output {
-    let mut c = Command::new(HERALD);
-    c.args(args).env_remove("RUST_LOG").env_remove("ALSA_CONFIG_PATH");
-    for (k, _) in std::env::vars() {
-        if k.starts_with("HERALD_") {
-            c.env_remove(k);
-        }
-    }
-    let empty = PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join("board-empty.toml");
-    std::fs::write(&empty, "").unwrap();
-    c.env("HERALD_CONFIG", &empty);
-    for (k, v) in env {
-        c.env(k, v);
-    }
-    c.stdin(Stdio::null()).output().unwrap()
+    common::run(args, env, None)
 }
 
 fn text(b: &[u8]) -> String {

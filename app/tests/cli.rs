@@ -3,68 +3,20 @@
 
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
-use std::io::Write;
-use std::path::{Path, PathBuf};
-use std::process::{Command, Output, Stdio};
+use std::path::PathBuf;
+use std::process::Output;
 
-const HERALD: &str = env!("CARGO_BIN_EXE_herald");
+mod common;
 
-fn repo() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).parent().unwrap().to_path_buf()
-}
-
-/// The tiny bundle: from HERALD_TEST_BUNDLES (scripts/test exports it), else exported here.
-fn bundle() -> PathBuf {
-    if let Some(d) = std::env::var_os("HERALD_TEST_BUNDLES").filter(|d| !d.is_empty()) {
-        return PathBuf::from(d).join("tiny-0.6b");
-    }
-    let out = PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join("cli-bundle");
-    if !out.join("bundle.toml").is_file() {
-        let st = Command::new(repo().join("tools/export/export"))
-            .args(["export", "--tiny", "tiny-0.6b", "--seed", "7", "--quiet", "--out"])
-            .arg(&out)
-            .status()
-            .unwrap();
-        assert!(st.success());
-    }
-    out
-}
+use common::{bundle, stderr};
 
 fn tmp(name: &str) -> PathBuf {
-    let d = PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join("cli").join(name);
-    let _ = std::fs::remove_dir_all(&d);
-    std::fs::create_dir_all(&d).unwrap();
-    d
+    common::tmp("cli", name)
 }
 
-/// Run herald with a clean environment for HERALD_* and ALSA (so the developer's own settings
-/// don't leak in); `env` adds variables.
+/// Run herald with a clean environment ([`common::run`]); `env` adds variables.
 fn herald(args: &[&str], env: &[(&str, &str)], stdin: Option<&[u8]>) -> Output {
-    let mut c = Command::new(HERALD);
-    c.args(args).env_remove("RUST_LOG").env_remove("ALSA_CONFIG_PATH");
-    for (k, _) in std::env::vars() {
-        if k.starts_with("HERALD_") {
-            c.env_remove(k);
-        }
-    }
-    // no /etc/herald/herald.toml of the machine: point at an empty config
-    let empty = PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join("empty.toml");
-    std::fs::write(&empty, "").unwrap();
-    c.env("HERALD_CONFIG", &empty);
-    for (k, v) in env {
-        c.env(k, v);
-    }
-    c.stdin(if stdin.is_some() { Stdio::piped() } else { Stdio::null() }).stdout(Stdio::piped()).stderr(Stdio::piped());
-    let mut child = c.spawn().unwrap();
-    if let Some(input) = stdin {
-        // herald may stop reading early (a text that is too long): a broken pipe here is fine
-        let _ = child.stdin.take().unwrap().write_all(input);
-    }
-    child.wait_with_output().unwrap()
-}
-
-fn stderr(o: &Output) -> String {
-    String::from_utf8_lossy(&o.stderr).into_owned()
+    common::run(args, env, stdin)
 }
 
 /// (sample rate, channels, bits, PCM bytes) of a WAV; `streaming` accepts the 0xFFFFFFFF sizes.

@@ -13,66 +13,23 @@ use std::process::{Child, Command, Output, Stdio};
 use std::sync::mpsc;
 use std::time::{Duration, Instant};
 
-const HERALD: &str = env!("CARGO_BIN_EXE_herald");
+mod common;
 
-fn repo() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).parent().unwrap().to_path_buf()
-}
-
-/// The tiny bundle: from HERALD_TEST_BUNDLES (scripts/test exports it), else exported here
-/// (the same folder tests/cli.rs uses).
-fn bundle() -> PathBuf {
-    if let Some(d) = std::env::var_os("HERALD_TEST_BUNDLES").filter(|d| !d.is_empty()) {
-        return PathBuf::from(d).join("tiny-0.6b");
-    }
-    let out = PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join("cli-bundle");
-    if !out.join("bundle.toml").is_file() {
-        let st = Command::new(repo().join("tools/export/export"))
-            .args(["export", "--tiny", "tiny-0.6b", "--seed", "7", "--quiet", "--out"])
-            .arg(&out)
-            .status()
-            .unwrap();
-        assert!(st.success());
-    }
-    out
-}
+use common::{bundle, repo, stderr};
 
 fn tmp(name: &str) -> PathBuf {
-    let d = PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join("serve").join(name);
-    let _ = std::fs::remove_dir_all(&d);
-    std::fs::create_dir_all(&d).unwrap();
-    d
+    common::tmp("serve", name)
 }
 
-/// herald with HERALD_*, ALSA, RUST_LOG and systemd variables of the caller removed and an
-/// empty config file; `env` adds variables.
+/// herald with a clean environment ([`common::command`]), stdin closed, output captured.
 fn command(args: &[&str], env: &[(&str, &str)]) -> Command {
-    let mut c = Command::new(HERALD);
-    c.args(args);
-    for k in ["RUST_LOG", "ALSA_CONFIG_PATH", "NOTIFY_SOCKET", "WATCHDOG_USEC", "WATCHDOG_PID"] {
-        c.env_remove(k);
-    }
-    for (k, _) in std::env::vars() {
-        if k.starts_with("HERALD_") {
-            c.env_remove(k);
-        }
-    }
-    let empty = PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join("serve-empty.toml");
-    std::fs::write(&empty, "").unwrap();
-    c.env("HERALD_CONFIG", &empty);
-    for (k, v) in env {
-        c.env(k, v);
-    }
+    let mut c = common::command(args, env);
     c.stdin(Stdio::null()).stdout(Stdio::piped()).stderr(Stdio::piped());
     c
 }
 
 fn run(args: &[&str], env: &[(&str, &str)]) -> Output {
     command(args, env).output().unwrap()
-}
-
-fn stderr(o: &Output) -> String {
-    String::from_utf8_lossy(&o.stderr).into_owned()
 }
 
 /// systemd's end of NOTIFY_SOCKET: every datagram, as text, to a channel.

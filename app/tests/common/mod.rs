@@ -1,0 +1,82 @@
+//! What the `herald` binary tests share: the tiny bundle, scratch folders, and running herald
+//! with a clean environment (no HERALD_*, ALSA, RUST_LOG or systemd variables of the caller,
+//! an empty config file instead of /etc/herald/herald.toml).
+
+#![allow(dead_code, clippy::unwrap_used, clippy::expect_used, clippy::panic)]
+
+use std::io::Write;
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output, Stdio};
+
+/// The binary under test.
+pub const HERALD: &str = env!("CARGO_BIN_EXE_herald");
+
+/// The repository root.
+pub fn repo() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).parent().unwrap().to_path_buf()
+}
+
+/// The tiny bundle: from HERALD_TEST_BUNDLES (scripts/test exports it), else exported once
+/// into the target's temporary folder.
+pub fn bundle() -> PathBuf {
+    if let Some(d) = std::env::var_os("HERALD_TEST_BUNDLES").filter(|d| !d.is_empty()) {
+        return PathBuf::from(d).join("tiny-0.6b");
+    }
+    let out = PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join("cli-bundle");
+    if !out.join("bundle.toml").is_file() {
+        let st = Command::new(repo().join("tools/export/export"))
+            .args(["export", "--tiny", "tiny-0.6b", "--seed", "7", "--quiet", "--out"])
+            .arg(&out)
+            .status()
+            .unwrap();
+        assert!(st.success());
+    }
+    out
+}
+
+/// A fresh, empty scratch folder `<area>/<name>` in the target's temporary folder.
+pub fn tmp(area: &str, name: &str) -> PathBuf {
+    let d = PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join(area).join(name);
+    let _ = std::fs::remove_dir_all(&d);
+    std::fs::create_dir_all(&d).unwrap();
+    d
+}
+
+/// herald with the caller's HERALD_*, ALSA, RUST_LOG and systemd variables removed and an
+/// empty config file; `env` adds variables.
+pub fn command(args: &[&str], env: &[(&str, &str)]) -> Command {
+    let mut c = Command::new(HERALD);
+    c.args(args);
+    for k in ["RUST_LOG", "ALSA_CONFIG_PATH", "NOTIFY_SOCKET", "WATCHDOG_USEC", "WATCHDOG_PID"] {
+        c.env_remove(k);
+    }
+    for (k, _) in std::env::vars() {
+        if k.starts_with("HERALD_") {
+            c.env_remove(k);
+        }
+    }
+    let empty = PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join("empty.toml");
+    std::fs::write(&empty, "").unwrap();
+    c.env("HERALD_CONFIG", &empty);
+    for (k, v) in env {
+        c.env(k, v);
+    }
+    c
+}
+
+/// Run herald to the end ([`command`]), feeding `stdin` if given; stdout and stderr captured.
+pub fn run(args: &[&str], env: &[(&str, &str)], stdin: Option<&[u8]>) -> Output {
+    let mut c = command(args, env);
+    c.stdin(if stdin.is_some() { Stdio::piped() } else { Stdio::null() }).stdout(Stdio::piped()).stderr(Stdio::piped());
+    let mut child = c.spawn().unwrap();
+    if let Some(input) = stdin {
+        // herald may stop reading early (a text that is too long): a broken pipe here is fine
+        let _ = child.stdin.take().unwrap().write_all(input);
+    }
+    child.wait_with_output().unwrap()
+}
+
+/// Standard error as text.
+pub fn stderr(o: &Output) -> String {
+    String::from_utf8_lossy(&o.stderr).into_owned()
+}
