@@ -131,6 +131,66 @@ fn tune_failure(e: tuning::TuneError) -> Failure {
     fail(code, e)
 }
 
+/// Open the amplifier-enable line of `[amplifier]`, if one is configured: at start-up, so that
+/// a missing chip or line stops herald (exit 3) before the model loads.
+fn open_amplifier(cfg: &Config) -> Result<Option<board::amp::LineAmplifier>, Failure> {
+    let Some(chip) = &cfg.amplifier.chip else { return Ok(None) };
+    let amp = board::amp::open_line(
+        chip,
+        cfg.amplifier.line,
+        cfg.amplifier.active == config::ActiveLevel::Low,
+        std::time::Duration::from_millis(cfg.amplifier.lead_ms.into()),
+    )
+    .map_err(|e| fail(EXIT_AUDIO, e))?;
+    log::info!(
+        "amplifier: line {} of GPIO chip '{chip}', enabled {} ms before the first sample",
+        cfg.amplifier.line,
+        cfg.amplifier.lead_ms
+    );
+    Ok(Some(amp))
+}
+
+/// Why [`synthesize_into`] stopped early.
+enum PlayError {
+    /// The sink failed (the engine was cancelled).
+    Sink(SinkError),
+    /// The engine failed.
+    Engine(EngineError),
+}
+
+/// Speak `request` into `sink` (already begun), calling `beat` for every chunk. On an error the
+/// sink is aborted; `Ok(None)` means SIGINT/SIGTERM cut the utterance short and the sink is still
+/// open, to be finished so that what was spoken stays valid.
+fn synthesize_into(
+    engine: &Engine,
+    request: &Request,
+    sink: &mut dyn AudioSink,
+    beat: &dyn Fn(),
+) -> Result<Option<engine::Report>, PlayError> {
+    let mut sink_err: Option<SinkError> = None;
+    let result = engine.synthesize(request, &INTERRUPTED, |chunk| {
+        beat();
+        if let Err(e) = sink.write(chunk.samples) {
+            let msg = e.to_string();
+            sink_err = Some(e);
+            return Err(msg);
+        }
+        Ok(())
+    });
+    if let Some(e) = sink_err {
+        sink.abort();
+        return Err(PlayError::Sink(e));
+    }
+    match result {
+        Ok(r) => Ok(Some(r)),
+        Err(EngineError::Cancelled) if INTERRUPTED.load(Ordering::Relaxed) => Ok(None),
+        Err(e) => {
+            sink.abort();
+            Err(PlayError::Engine(e))
+        }
+    }
+}
+
 /// `herald probe`: the profile, then what herald derives from it for the configured bundle.
 fn print_probe(cfg: &Config) -> Result<(), Failure> {
     let p = board::probe::probe_system().map_err(|e| fail(EXIT_INPUT, e))?;
@@ -437,15 +497,9 @@ fn speak(cfg: &Config, text: &str, out: Option<&str>, raw: bool) -> Result<(), F
         (None, None, false) => Box::new(AlsaSink::new(cfg.alsa_settings(), shaper)),
     };
     // The amplifier line (only when playing): a missing chip or line stops here, before loading.
-    if let (Some(chip), None, false) = (&cfg.amplifier.chip, out, raw) {
-        let amp = board::amp::open_line(
-            chip,
-            cfg.amplifier.line,
-            cfg.amplifier.active == config::ActiveLevel::Low,
-            std::time::Duration::from_millis(cfg.amplifier.lead_ms.into()),
-        )
-        .map_err(|e| fail(EXIT_AUDIO, e))?;
-        log::info!("amplifier: line {} of GPIO chip '{chip}', enabled {} ms before the first sample", cfg.amplifier.line, cfg.amplifier.lead_ms);
+    if out.is_none() && !raw
+        && let Some(amp) = open_amplifier(cfg)?
+    {
         sink = Box::new(board::amp::AmpSink::new(sink, amp));
     }
     // Open the output before loading the graphs: a busy or missing device fails fast.
@@ -464,31 +518,14 @@ fn speak(cfg: &Config, text: &str, out: Option<&str>, raw: bool) -> Result<(), F
         engine.bundle().load_seconds,
         rss_mb().map_or_else(|| "unknown".into(), |m| format!("{m:.0} MB"))
     );
-    let mut sink_err: Option<SinkError> = None;
-    let result = engine.synthesize(&request, &INTERRUPTED, |chunk| {
-        if let Err(e) = sink.write(chunk.samples) {
-            let msg = e.to_string();
-            sink_err = Some(e);
-            return Err(msg);
-        }
-        Ok(())
-    });
-    if let Some(e) = sink_err {
-        sink.abort();
-        if e.is_broken_pipe() {
+    let report = match synthesize_into(&engine, &request, sink.as_mut(), &|| ()) {
+        Ok(r) => r,
+        Err(PlayError::Sink(e)) if e.is_broken_pipe() => {
             log::info!("the reader of standard output went away; stopping");
             return Ok(());
         }
-        return Err(fail(sink_code(&e), e));
-    }
-    let interrupted = matches!(result, Err(EngineError::Cancelled)) && INTERRUPTED.load(Ordering::Relaxed);
-    let report = match result {
-        Ok(r) => Some(r),
-        Err(_) if interrupted => None,
-        Err(e) => {
-            sink.abort();
-            return Err(fail(engine_code(&e), e));
-        }
+        Err(PlayError::Sink(e)) => return Err(fail(sink_code(&e), e)),
+        Err(PlayError::Engine(e)) => return Err(fail(engine_code(&e), e)),
     };
     // Finish the output (fade-out, drain, WAV header) also after an interrupt: what was spoken
     // stays a valid file.

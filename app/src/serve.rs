@@ -26,7 +26,7 @@ use std::time::{Duration, Instant};
 
 use board::audio::{AlsaSink, AudioSink, WavSink};
 use engine::prompt::{PromptError, PromptMode};
-use engine::{Engine, EngineError, Request, StopReason};
+use engine::{Engine, Request, StopReason};
 
 use crate::config::{CliOverrides, Config, SynthesisMode};
 use crate::{EXIT_BUNDLE, EXIT_INPUT, Failure, FileOut, INTERRUPTED, engine_code, fail, init_logging, load_config, rss_mb};
@@ -85,19 +85,9 @@ pub(crate) fn run(config: Option<&Path>, args: ServeArgs) -> Result<(), Failure>
         }
     };
     // The amplifier line (only when playing): a missing chip or line stops here, at start-up.
-    let amp = match (&cfg.amplifier.chip, &args.out_dir) {
-        (Some(chip), None) => {
-            let a = board::amp::open_line(
-                chip,
-                cfg.amplifier.line,
-                cfg.amplifier.active == crate::config::ActiveLevel::Low,
-                std::time::Duration::from_millis(cfg.amplifier.lead_ms.into()),
-            )
-            .map_err(|e| fail(crate::EXIT_AUDIO, e))?;
-            log::info!("amplifier: line {} of GPIO chip '{chip}', enabled {} ms before each utterance", cfg.amplifier.line, cfg.amplifier.lead_ms);
-            Some(std::cell::RefCell::new(a))
-        }
-        _ => None,
+    let amp = match &args.out_dir {
+        None => crate::open_amplifier(&cfg)?.map(std::cell::RefCell::new),
+        Some(_) => None,
     };
     let fifo = Fifo::open(&args.fifo).map_err(|e| fail(EXIT_INPUT, e))?;
     let status = |s: &str| {
@@ -426,27 +416,10 @@ impl Server<'_> {
             Some(s) => log::info!("line {number}: {} characters, seed {s}", text.chars().count()),
             None => log::info!("line {number}: {} characters, greedy", text.chars().count()),
         }
-        let mut sink_err = None;
-        let result = self.engine.synthesize(&request, &INTERRUPTED, |chunk| {
-            self.heartbeat.beat();
-            if let Err(e) = sink.write(chunk.samples) {
-                let msg = e.to_string();
-                sink_err = Some(e);
-                return Err(msg);
-            }
-            Ok(())
-        });
-        if let Some(e) = sink_err {
-            sink.abort();
-            return Err(e.into());
-        }
-        let report = match result {
-            Ok(r) => Some(r),
-            Err(EngineError::Cancelled) if INTERRUPTED.load(Ordering::Relaxed) => None,
-            Err(e) => {
-                sink.abort();
-                return Err(e.into());
-            }
+        let report = match crate::synthesize_into(self.engine, &request, sink.as_mut(), &|| self.heartbeat.beat()) {
+            Ok(r) => r,
+            Err(crate::PlayError::Sink(e)) => return Err(e.into()),
+            Err(crate::PlayError::Engine(e)) => return Err(e.into()),
         };
         // Finish (fade-out, drain, WAV header) also when a stop signal cut the line short.
         let stats = sink.finish()?;

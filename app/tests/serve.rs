@@ -223,13 +223,7 @@ fn startup_errors_exit_with_one_line() {
     let b = bundle();
     let bs = b.to_str().unwrap();
     let d = tmp("errors");
-    let check = |o: Output, code: i32, needle: &str| {
-        let e = stderr(&o);
-        assert_eq!(o.status.code(), Some(code), "{e}");
-        let lines: Vec<&str> = e.lines().filter(|l| l.starts_with("error:")).collect();
-        assert_eq!(lines.len(), 1, "{e}");
-        assert!(lines[0].contains(needle), "{e}");
-    };
+    let check = |o: Output, code: i32, needle: &str| common::assert_one_error_line(&o, code, needle);
     let missing = d.join("no/such/dir/say");
     check(run(&["serve", "--bundle", bs, "--fifo", missing.to_str().unwrap()], &[]), 2, "no/such/dir/say");
     let regular = d.join("plain-file");

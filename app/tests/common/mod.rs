@@ -80,3 +80,12 @@ pub fn run(args: &[&str], env: &[(&str, &str)], stdin: Option<&[u8]>) -> Output 
 pub fn stderr(o: &Output) -> String {
     String::from_utf8_lossy(&o.stderr).into_owned()
 }
+
+/// herald exited with `code` and said why in exactly one `error:` line containing `needle`.
+pub fn assert_one_error_line(o: &Output, code: i32, needle: &str) {
+    let e = stderr(o);
+    assert_eq!(o.status.code(), Some(code), "{e}");
+    let lines: Vec<&str> = e.lines().filter(|l| l.starts_with("error:")).collect();
+    assert_eq!(lines.len(), 1, "{e}");
+    assert!(lines[0].contains(needle), "{e}");
+}
