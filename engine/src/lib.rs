@@ -8,6 +8,7 @@ pub mod manifest;
 pub mod metrics;
 pub mod pipeline;
 pub mod placement;
+pub mod pool;
 pub mod prompt;
 pub mod sampler;
 pub mod sanitize;
@@ -18,7 +19,7 @@ pub mod tables;
 
 pub use manifest::{Manifest, ManifestError};
 pub use metrics::PlaybackMetrics;
-pub use pipeline::{Engine, PcmChunk, Report};
+pub use pipeline::{Engine, PcmChunk, Report, StageMemory};
 pub use synth::{Bundle, EngineError, EngineSettings, Frame, Request, StopReason};
 
 /// Use `threads` compute threads for the matrix products of every graph (tract's executor; the
