@@ -425,6 +425,11 @@ pub struct PipelineResult {
     /// last chunk of the final ramp size, divided by the frames in between); None when the
     /// utterance has fewer than two steady chunks or no counter was given.
     pub allocations_per_frame: Option<f64>,
+    /// Blocks the decode and vocoder threads took from their frame pools per frame, whole
+    /// utterance: what tract's executor asks for, served without the heap ([`crate::pool`]).
+    pub pool_blocks_per_frame: f64,
+    /// The utterance's frame-pool counters.
+    pub memory: crate::pipeline::StageMemory,
     /// Chunk sizes in frames, in order.
     pub chunks: Vec<usize>,
 }
@@ -552,6 +557,8 @@ pub fn pipeline(b: &Arc<Bundle>, cfg: &BenchConfig, allocs: Option<&dyn Fn() -> 
         other_ms_per_frame: wall_pf - talker - predictor,
         wall_ms_per_frame: wall_pf,
         allocations_per_frame,
+        pool_blocks_per_frame: (report.memory.decode_served + report.memory.vocoder_served) as f64 / frames,
+        memory: report.memory,
         chunks: report.chunk_times.iter().map(|c| c.1).collect(),
     })
 }
@@ -657,6 +664,16 @@ impl BenchResult {
             let _ = writeln!(o, "| playback stall s | {:.3} |", p.stall_s);
             let allocs = p.allocations_per_frame.map_or("–".to_string(), |a| format!("{a:.0}"));
             let _ = writeln!(o, "| heap allocations per frame (steady state) | {allocs} |");
+            let _ = writeln!(o, "| frame-pool blocks per frame (tract's requests, no heap) | {:.0} |", p.pool_blocks_per_frame);
+            let mem = &p.memory;
+            let _ = writeln!(
+                o,
+                "| frames / chunks that reached the heap (warm-up, new slot tiers, new window lengths) | {} of {} / {} of {} |",
+                mem.decode_frames_on_heap,
+                p.frames,
+                mem.vocoder_chunks_on_heap,
+                p.chunks.len()
+            );
         }
         if let Some(l) = &self.load {
             let _ = writeln!(o, "| load: bundle open s | {:.2} |", l.open_s);

@@ -20,6 +20,7 @@ use heapless::spsc::Queue;
 
 use crate::metrics::PlaybackMetrics;
 use crate::placement::{StagePlacement, allowed_cpus};
+use crate::pool::{FramePool, Installed, PoolStats};
 use crate::stats::StepStats;
 use crate::synth::{Bundle, ChunkSchedule, Decoder, EngineError, EngineSettings, Frame, Request, StopReason, Vocoder};
 
@@ -64,6 +65,105 @@ pub struct Report {
     pub stats: StepStats,
     /// TTFA, playback start, stall and RTF of the chunk timeline ([`PlaybackMetrics`]).
     pub playback: PlaybackMetrics,
+    /// Where the decode and vocoder threads got their memory ([`crate::pool`]).
+    pub memory: StageMemory,
+}
+
+/// Heap use of the two worker threads during one utterance, counted by their frame pools
+/// ([`crate::pool::FramePool`]; zero everywhere unless the process's global allocator is
+/// [`crate::pool::Pooled`]).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, serde::Serialize)]
+pub struct StageMemory {
+    /// Frames during which the decode thread called the heap (a frame whose layouts the pool
+    /// has not seen yet: the first two of an engine, the first of a new slot tier).
+    pub decode_frames_on_heap: usize,
+    /// Heap allocations of the decode thread.
+    pub decode_heap_allocations: u64,
+    /// Blocks the decode thread got from its pool instead.
+    pub decode_served: u64,
+    /// Chunks during which the vocoder thread called the heap (a window length the pool has not
+    /// seen yet).
+    pub vocoder_chunks_on_heap: usize,
+    /// Heap allocations of the vocoder thread.
+    pub vocoder_heap_allocations: u64,
+    /// Blocks the vocoder thread got from its pool instead.
+    pub vocoder_served: u64,
+    /// Bytes the decode thread's pool keeps after the utterance.
+    pub decode_retained_bytes: usize,
+    /// Bytes the vocoder thread's pool keeps after the utterance.
+    pub vocoder_retained_bytes: usize,
+}
+
+impl std::fmt::Display for StageMemory {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "frame pools: decode thread {} heap allocations in {} frames ({} blocks from its pool), vocoder thread {} in {} chunks ({} from its pool); the pools keep {:.1} and {:.1} MiB",
+            self.decode_heap_allocations,
+            self.decode_frames_on_heap,
+            self.decode_served,
+            self.vocoder_heap_allocations,
+            self.vocoder_chunks_on_heap,
+            self.vocoder_served,
+            self.decode_retained_bytes as f64 / f64::from(1u32 << 20),
+            self.vocoder_retained_bytes as f64 / f64::from(1u32 << 20)
+        )
+    }
+}
+
+/// Installs a stage's frame pool on the worker thread, trims it after every unit of work (frame
+/// or chunk) and counts the units that reached the heap.
+struct HeapMeter<'a> {
+    pool: &'a FramePool,
+    installed: Option<Installed<'a>>,
+    start: PoolStats,
+    units_on_heap: usize,
+    shape: usize,
+}
+
+impl<'a> HeapMeter<'a> {
+    /// Install `pool` on this thread (if another thread holds it, the stage runs on the heap).
+    fn install(pool: &'a FramePool) -> Self {
+        HeapMeter { pool, installed: pool.install(), start: pool.stats(), units_on_heap: 0, shape: 0 }
+    }
+
+    /// Run one unit of work, noting whether it reached the heap. `shape`
+    /// names the unit's layouts (the vocoder's window length): when it changes, the pool is
+    /// emptied first, so it never holds two working sets at once.
+    fn unit<R>(&mut self, shape: usize, f: impl FnOnce() -> R) -> R {
+        if shape != self.shape
+            && let Some(i) = &mut self.installed
+        {
+            i.release();
+        }
+        self.shape = shape;
+        let before = self.pool.stats().heap_allocations;
+        let r = f();
+        if self.pool.stats().heap_allocations != before {
+            self.units_on_heap += 1;
+        }
+        r
+    }
+
+    /// After a unit that did the stage's work (a frame, a chunk): keep only the layouts it used.
+    fn trim(&mut self) {
+        if let Some(i) = &mut self.installed {
+            i.trim();
+        }
+    }
+
+    /// Empty the pool (the vocoder's next utterance starts with other window lengths).
+    fn release(&mut self) {
+        if let Some(i) = &mut self.installed {
+            i.release();
+        }
+    }
+
+    /// (units on the heap, heap allocations, served) since `new`.
+    fn totals(&self) -> (usize, u64, u64) {
+        let d = self.pool.stats().since(&self.start);
+        (self.units_on_heap, d.heap_allocations, d.served)
+    }
 }
 
 impl Report {
@@ -89,6 +189,10 @@ pub struct Engine {
     ramp: Vec<usize>,
     talker_place: StagePlacement,
     vocoder_place: StagePlacement,
+    /// The decode thread's frame pool, kept across utterances.
+    decode_pool: FramePool,
+    /// The vocoder thread's frame pool, kept across utterances.
+    vocoder_pool: FramePool,
     shared: Mutex<Shared>,
 }
 
@@ -164,7 +268,15 @@ impl Engine {
                 StagePlacement::new("vocoder", &settings.vocoder_cpus, &allowed)?,
             )
         };
-        Ok(Engine { bundle, ramp, talker_place, vocoder_place, shared: Mutex::new(shared) })
+        Ok(Engine {
+            bundle,
+            ramp,
+            talker_place,
+            vocoder_place,
+            decode_pool: FramePool::new(settings.pool_bytes),
+            vocoder_pool: FramePool::new(settings.pool_bytes),
+            shared: Mutex::new(shared),
+        })
     }
 
     /// Median seconds the vocoder stage takes for one window of each length in `windows`
@@ -270,7 +382,13 @@ impl Engine {
         let spf = self.bundle.manifest.audio.samples_per_frame as usize;
         // Bad input fails here, synchronously, before any thread starts.
         let tp = Instant::now();
-        sh.decoder.start(req)?;
+        // The prefill runs here, on the decode stage's pool: what it frees (tract's buffers for
+        // one-position steps among them) is there for the decode thread's first frames.
+        let started = {
+            let _pool = self.decode_pool.install();
+            sh.decoder.start(req)
+        };
+        started?;
         sh.stats.prefill.record(tp.elapsed());
 
         let stop = AtomicBool::new(false);
@@ -290,6 +408,8 @@ impl Engine {
         let me = thread::current();
         // one entry per chunk; reserved per utterance, not per frame
         let mut report_chunks: Vec<(f64, usize)> = Vec::with_capacity(decoder.frame_cap() / self.ramp[0].max(1) + 8);
+        // (units on the heap, heap allocations, blocks served) of each worker
+        let (mut decode_mem, mut vocoder_mem) = ((0, 0, 0), (0, 0, 0));
         let result: Result<(usize, usize), EngineError> = thread::scope(|s| {
             // reborrows, so the workers borrow what the engine keeps between utterances
             let decoder = &mut *decoder;
@@ -300,14 +420,18 @@ impl Engine {
             // ---- decode thread
             let talker_place = &self.talker_place;
             let vocoder_place = &self.vocoder_place;
+            let (decode_pool, vocoder_pool) = (&self.decode_pool, &self.vocoder_pool);
+            let (decode_mem, vocoder_mem) = (&mut decode_mem, &mut vocoder_mem);
             let dec = thread::Builder::new().name("herald-decode".into()).spawn_scoped(s, move || -> Result<usize, EngineError> {
+                let mut meter = HeapMeter::install(decode_pool);
                 let mut n = 0;
                 let result = talker_place.run(|| {
                     loop {
                         if cancelled() {
                             return Err(EngineError::Cancelled);
                         }
-                        let Some(frame) = decoder.next_frame()? else { break };
+                        let Some(frame) = meter.unit(0, || decoder.next_frame())? else { break };
+                        meter.trim();
                         let ft = decoder.last_timing();
                         predictor.record(ft.predictor);
                         sampling.record(ft.sampling);
@@ -321,6 +445,7 @@ impl Engine {
                     }
                     Ok(n)
                 });
+                *decode_mem = meter.totals();
                 decode_done.store(true, Ordering::Release);
                 if result.is_err() {
                     stop.store(true, Ordering::Relaxed);
@@ -333,6 +458,7 @@ impl Engine {
             };
             // ---- vocoder thread
             let voc = thread::Builder::new().name("herald-vocoder".into()).spawn_scoped(s, move || -> Result<usize, EngineError> {
+                let mut meter = HeapMeter::install(vocoder_pool);
                 let result = vocoder_place.run(|| {
                     let mut done_frames = 0usize;
                     let mut pending = 0usize;
@@ -375,15 +501,19 @@ impl Engine {
                         let w0 = window.len() - pending;
                         let ctx_start = w0.saturating_sub(vocoder.left_context);
                         let tv = Instant::now();
-                        let r = vocoder.decode(&window[ctx_start..w0 + n], n, &mut buf[..spf_n]);
+                        let r = meter.unit(w0 + n - ctx_start, || vocoder.decode(&window[ctx_start..w0 + n], n, &mut buf[..spf_n]));
                         voc_stat.record(tv.elapsed());
                         r?;
+                        meter.trim();
                         pending -= n;
                         push(&mut p_tx, (buf, spf_n, done_frames, n), &cancelled)?;
                         me.unpark();
                         done_frames += n;
                     }
                 });
+                // the next utterance starts with other window lengths: nothing here is reused
+                meter.release();
+                *vocoder_mem = meter.totals();
                 if result.is_err() {
                     stop.store(true, Ordering::Relaxed);
                 }
@@ -460,6 +590,17 @@ impl Engine {
         let frame_seconds = f64::from(m.samples_per_frame) / f64::from(m.sample_rate);
         let playback = PlaybackMetrics::from_chunks(&report_chunks, frame_seconds);
         log::info!("{playback}");
+        let memory = StageMemory {
+            decode_frames_on_heap: decode_mem.0,
+            decode_heap_allocations: decode_mem.1,
+            decode_served: decode_mem.2,
+            vocoder_chunks_on_heap: vocoder_mem.0,
+            vocoder_heap_allocations: vocoder_mem.1,
+            vocoder_served: vocoder_mem.2,
+            decode_retained_bytes: self.decode_pool.stats().retained_bytes,
+            vocoder_retained_bytes: self.vocoder_pool.stats().retained_bytes,
+        };
+        log::info!("{memory}");
         Ok(Report {
             frames,
             samples,
@@ -470,6 +611,7 @@ impl Engine {
             chunk_times: report_chunks,
             stats: guard.stats.clone(),
             playback,
+            memory,
         })
     }
 }

@@ -139,6 +139,11 @@ pub struct Stack {
     full_new: Arc<Tensor>,
     ring_past: Arc<Tensor>,
     ring_new: Arc<Tensor>,
+    /// The per-step inputs (x, cos, sin and the four masks) of the last step with another
+    /// position count: a prefill and the one-position steps after it, or the code predictor's
+    /// 2-position prefill and its 1-position steps, each keep their own buffers instead of
+    /// reallocating at every switch.
+    spare: [Arc<Tensor>; 7],
     head: Arc<Tensor>,
     last: StepStats,
 }
@@ -291,6 +296,15 @@ impl Stack {
             full_new: alloc(f32t, &[1, 1, 1, 1]).map_err(terr)?,
             ring_past: alloc(f32t, &[1, 1, 1, ring]).map_err(terr)?,
             ring_new: alloc(f32t, &[1, 1, 1, 1]).map_err(terr)?,
+            spare: [
+                alloc(f32t, &[1, 1, hidden_in]).map_err(terr)?,
+                alloc(f32t, &[1, 1, d]).map_err(terr)?,
+                alloc(f32t, &[1, 1, d]).map_err(terr)?,
+                alloc(f32t, &[1, 1, 1, 0]).map_err(terr)?,
+                alloc(f32t, &[1, 1, 1, 1]).map_err(terr)?,
+                alloc(f32t, &[1, 1, 1, ring]).map_err(terr)?,
+                alloc(f32t, &[1, 1, 1, 1]).map_err(terr)?,
+            ],
             head: alloc(i64::datum_type(), &[1]).map_err(terr)?,
             graph,
             last: StepStats::default(),
@@ -417,6 +431,20 @@ impl Stack {
         let f32t = f32::datum_type();
         fn slice<'a, D: Datum>(name: &str, t: &'a mut Tensor) -> Result<&'a mut [D], StepError> {
             view_mut::<D>(t).map_err(|e| StepError::Tract { stack: name.to_owned(), message: e.to_string() })
+        }
+        if self.x.shape()[1] != s {
+            let [x, cos, sin, fp, fnew, rp, rn] = &mut self.spare;
+            for (cur, other) in [
+                (&mut self.x, x),
+                (&mut self.cos, cos),
+                (&mut self.sin, sin),
+                (&mut self.full_past, fp),
+                (&mut self.full_new, fnew),
+                (&mut self.ring_past, rp),
+                (&mut self.ring_new, rn),
+            ] {
+                std::mem::swap(cur, other);
+            }
         }
         let xt = ensure(&name, &mut self.x, f32t, &[1, s, h])?;
         slice::<f32>(&name, xt)?.copy_from_slice(x);

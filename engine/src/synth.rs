@@ -77,11 +77,20 @@ pub struct EngineSettings {
     /// CPUs of the vocoder stage, disjoint from `talker_cpus` on a board with more than one.
     /// Empty: unpinned.
     pub vocoder_cpus: Vec<usize>,
+    /// Bytes of freed blocks each stage's frame pool may keep ([`crate::pool::FramePool`]):
+    /// the decode and the vocoder thread each get one. It must hold a stage's working set for
+    /// the steady state to stay off the heap: at 0.6B the vocoder's largest window frees about
+    /// [`DEFAULT_POOL_BYTES`]' worth less than the default (docs/engine.md "Allocations").
+    pub pool_bytes: usize,
 }
+
+/// Default [`EngineSettings::pool_bytes`]: 512 MiB per stage, above the measured working sets
+/// (docs/engine.md "Allocations"); memory the stage would touch at its peak anyway.
+pub const DEFAULT_POOL_BYTES: usize = 512 << 20;
 
 impl Default for EngineSettings {
     fn default() -> Self {
-        EngineSettings { kv_capacity: 4096, ramp: None, left_context: None, talker_cpus: Vec::new(), vocoder_cpus: Vec::new() }
+        EngineSettings { kv_capacity: 4096, ramp: None, left_context: None, talker_cpus: Vec::new(), vocoder_cpus: Vec::new(), pool_bytes: DEFAULT_POOL_BYTES }
     }
 }
 

@@ -1,10 +1,11 @@
-//! Heap allocations in the steady state, counted by a global allocator (per thread).
+//! Heap allocations in the steady state, counted per thread under the process's allocator.
 //!
-//! herald's own per-frame work (sampling, embedding lookups, chunk scheduling, cache writes,
-//! masks, RoPE) allocates nothing after warm-up. tract's executor allocates each node's output
-//! tensors on every run, so a whole frame has a floor that is tract's: this test measures it
-//! and asserts it is the same every frame (nothing grows with the utterance), and that
-//! herald's parts add zero.
+//! The global allocator is herald's `Pooled` over a counting system allocator, as in the
+//! binary. herald's own per-frame work (sampling, embedding lookups, chunk scheduling, cache
+//! writes, masks, RoPE) allocates nothing at all after warm-up. tract's executor asks for each
+//! node's output tensors on every run; with the stage's frame pool installed those requests are
+//! served from the pool, and the heap sees none after the first frame (decode) or the first
+//! window of a length (vocoder). The pipeline reports the same from its own threads.
 
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
@@ -15,10 +16,13 @@ use std::cell::Cell;
 use std::sync::Arc;
 
 use engine::sampler::{Sampler, SplitMix64};
-use engine::synth::{Bundle, ChunkSchedule, Decoder, Vocoder};
+use engine::pool::{FramePool, Pooled};
+use engine::synth::{Bundle, ChunkSchedule, DEFAULT_POOL_BYTES, Decoder, Vocoder};
 use engine::tables::Embedding;
-use engine::{EngineSettings, Request};
+use engine::{Engine, EngineSettings, Request};
+use std::sync::atomic::AtomicBool;
 
+/// The heap: counts, per thread, the calls that reach the system allocator.
 struct Counting;
 
 thread_local! {
@@ -40,7 +44,7 @@ unsafe impl GlobalAlloc for Counting {
 }
 
 #[global_allocator]
-static GLOBAL: Counting = Counting;
+static GLOBAL: Pooled<Counting> = Pooled::new(Counting);
 
 fn count<R>(f: impl FnOnce() -> R) -> (R, u64) {
     let before = COUNT.with(Cell::get);
@@ -76,33 +80,102 @@ fn herald_parts_allocate_nothing_per_frame() {
 }
 
 #[test]
-fn whole_frames_allocate_the_same_every_frame() {
+fn whole_frames_stay_off_the_heap_after_the_first() {
     let b = Arc::new(Bundle::open(&common::bundle("tiny-hybrid")).unwrap());
     let mut dec = Decoder::new(b.clone(), &EngineSettings::default()).unwrap();
-    // warm-up: one utterance, so buffers reach their steady shapes
-    dec.start(&Request { max_frames: Some(20), ..Request::new("warm up") }).unwrap();
-    while dec.next_frame().unwrap().is_some() {}
-    dec.start(&Request { max_frames: Some(40), ..Request::new("The steady state.") }).unwrap();
-    let mut per_frame = Vec::new();
+    let pool = FramePool::new(DEFAULT_POOL_BYTES);
+    // the request's prefill runs on the caller's thread before the decode thread starts
+    dec.start(&Request { max_frames: Some(80), ..Request::new("The steady state.") }).unwrap();
+    let mut g = pool.install().unwrap();
+    let mut per_frame = Vec::with_capacity(64);
+    let mut served = Vec::with_capacity(64);
     loop {
+        let before = pool.stats();
         let (f, n) = count(|| dec.next_frame().unwrap());
+        g.trim();
         if f.is_none() {
             break;
         }
         per_frame.push(n);
+        served.push(pool.stats().since(&before).served);
     }
-    // frames 1.. are steady (frame 0 may still grow the talker cache from 0 to 64 slots)
-    let steady = &per_frame[2..per_frame.len() - 1];
-    let first = steady[0];
-    assert!(steady.iter().all(|&n| n == first), "allocations per frame vary: {per_frame:?}");
-    println!("allocations per frame (talker step + 15 predictor sub-steps, all in tract's executor): {first}");
-    // the vocoder: steady windows allocate the same every chunk
+    drop(g);
+    assert_eq!(per_frame.len(), 80);
+    // warm-up: frame 0 runs the first code-predictor loop, frame 1 the first one-position
+    // talker step; later, the frame whose position passes 64 grows the full caches to 128 slots
+    // (new layouts), and the frame after it meets a new-layout tensor that outlives a frame.
+    // Every other frame reaches the heap not once.
+    let on_heap: Vec<usize> = (0..per_frame.len()).filter(|&i| per_frame[i] > 0).collect();
+    assert!(on_heap.len() <= 4 && on_heap[0] == 0, "heap allocations per frame: {per_frame:?}");
+    if let [_, _, tier, ref rest @ ..] = on_heap[..] {
+        assert!(rest.iter().all(|&f| f == tier + 1), "heap allocations per frame: {per_frame:?}");
+        assert!(per_frame.len() - tier > 20, "the crossing should leave 20 steady frames: {per_frame:?}");
+    } else {
+        panic!("80 frames after a short prompt pass 64 positions: {per_frame:?}");
+    }
+    // tract still asks for its tensors every frame; the pool serves them, the same every frame
+    // (the last frame's talker step is not run: the frame cap ends the utterance after it)
+    let steady = (2..served.len() - 1).filter(|i| !on_heap.contains(i)).map(|i| served[i]);
+    assert!(steady.into_iter().all(|n| n == served[2] && n > 1000), "blocks served per frame: {served:?}");
+    println!("decode: heap allocations per frame {per_frame:?}; blocks served by the pool per frame: {}", served[2]);
+
+    // the vocoder over the pipeline's windows: the ramp, then steady windows of 72 + 25 frames
     let frames = vec![[5u32; 16]; 200];
     let mut voc = Vocoder::new(&b, 72, 25).unwrap();
     let mut out = vec![0f32; 25 * 1920];
-    voc.decode(&frames[..97], 25, &mut out).unwrap();
-    let counts: Vec<u64> = (0..4).map(|i| count(|| voc.decode(&frames[i * 25..i * 25 + 97], 25, &mut out).unwrap()).1).collect();
-    assert!(counts.iter().all(|&n| n == counts[0]), "{counts:?}");
-    println!("allocations per 25-frame vocoder chunk (tract's executor): {}", counts[0]);
-    let _ = ChunkSchedule::new(&[1]).unwrap();
+    let vpool = FramePool::new(DEFAULT_POOL_BYTES);
+    let mut g = vpool.install().unwrap();
+    let mut done = 0;
+    let mut chunks = Vec::new();
+    for n in [2usize, 4, 8, 16, 25, 25, 25, 25, 25] {
+        let w = done.min(72) + n;
+        let (r, heap) = count(|| voc.decode(&frames[done + n - w..done + n], n, &mut out[..n * 1920]));
+        r.unwrap();
+        g.trim();
+        chunks.push((w, heap));
+        done += n;
+    }
+    drop(g);
+    // a window length met for the first time allocates; a repeated one does not
+    for (i, &(w, heap)) in chunks.iter().enumerate() {
+        let seen = chunks[..i].iter().any(|&(v, _)| v == w);
+        assert_eq!(heap == 0, seen, "window {w}: {heap} heap allocations; all chunks {chunks:?}");
+    }
+    println!("vocoder (window frames, heap allocations): {chunks:?}");
 }
+
+#[test]
+fn the_pipeline_reports_its_threads_off_the_heap() {
+    let settings = EngineSettings::default();
+    let engine = Engine::load(&common::bundle("tiny-0.6b"), &settings).unwrap();
+    let cancel = AtomicBool::new(false);
+    let req = Request { max_frames: Some(60), force_eos_at: Some(60), ..Request::new("Frames, chunks and pools.") };
+    let first = engine.synthesize(&req, &cancel, |_| Ok(())).unwrap();
+    let second = engine.synthesize(&req, &cancel, |_| Ok(())).unwrap();
+    for r in [&first, &second] {
+        assert_eq!(r.frames, 60);
+        let m = &r.memory;
+        // every frame and chunk asks tract for blocks; the pools serve them
+        assert!(m.decode_served > 60 * 1000 && m.vocoder_served > 0, "{m}");
+        // the vocoder reaches the heap exactly at each change of window length (ramp, first
+        // steady window, flush); repeated windows are served by its pool
+        let mut done = 0;
+        let mut last = 0;
+        let mut changes = 0;
+        for &(_, n) in &r.chunk_times {
+            let w = done.min(72) + n;
+            changes += usize::from(w != last);
+            last = w;
+            done += n;
+        }
+        assert_eq!(m.vocoder_chunks_on_heap, changes, "{m}; chunks {:?}", r.chunk_times);
+    }
+    // a fresh engine's decode thread meets its layouts in its first two frames and again when
+    // the talker's full caches grow from 64 to 128 slots (prompt + 60 frames > 64 positions).
+    // The next utterance keeps the 128 slots and finds its layouts in the pool; only its frame 0
+    // may take a few blocks from the heap, while the prefill's outputs are still alive.
+    assert!((2..=4).contains(&first.memory.decode_frames_on_heap), "{}", first.memory);
+    assert!(second.memory.decode_frames_on_heap <= 1, "{}", second.memory);
+    assert!(second.memory.decode_heap_allocations <= 20, "{}", second.memory);
+}
+
