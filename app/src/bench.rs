@@ -1,8 +1,9 @@
 //! `herald bench`: the measuring instrument of docs/performance.md.
 //!
-//! The measuring code is `engine::bench`; this command adds what needs the process: a counting
-//! global allocator (one relaxed atomic increment per allocation, always on: cheap next to the
-//! allocation itself) for allocations per frame, and the peak resident set (`VmHWM` of
+//! The measuring code is `engine::bench`; this command adds what needs the process: a counter of
+//! the calls that reach the system allocator (one relaxed atomic increment per heap allocation,
+//! always on: cheap next to the allocation itself; it sits under the frame pools, see
+//! `engine::pool` and `main.rs`) for heap allocations per frame, and the peak resident set (`VmHWM` of
 //! `/proc/self/status`). Results go to standard output as markdown, and optionally to a JSON
 //! and a markdown file (each written to a temporary file and renamed).
 
@@ -15,8 +16,9 @@ use anyhow::Context;
 use clap::Args;
 use engine::bench::{BenchConfig, BenchResult};
 
-/// Counts allocations and reallocations of the whole process.
-struct Counting;
+/// The system allocator, counting the allocations and reallocations that reach it (all
+/// threads). Wrapped by the process's global allocator, `engine::pool::Pooled` (`main.rs`).
+pub struct Counting;
 
 static ALLOCATIONS: AtomicU64 = AtomicU64::new(0);
 
@@ -44,10 +46,8 @@ unsafe impl GlobalAlloc for Counting {
     }
 }
 
-#[global_allocator]
-static GLOBAL: Counting = Counting;
-
-/// Allocations (and reallocations) since the process started, all threads.
+/// Heap allocations (and reallocations) since the process started, all threads; blocks the
+/// frame pools serve are not counted.
 fn allocations() -> u64 {
     ALLOCATIONS.load(Ordering::Relaxed)
 }

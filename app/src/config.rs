@@ -52,6 +52,10 @@ pub const KV_CAPACITY: RangeInclusive<usize> = 64..=65536;
 pub const SEED: RangeInclusive<u64> = 0..=(i64::MAX as u64);
 /// `runtime.threads` (0 = one per available core).
 pub const THREADS: RangeInclusive<usize> = 0..=256;
+/// `runtime.frame_pool_mib`: MiB each worker stage's frame pool may keep.
+pub const FRAME_POOL_MIB: RangeInclusive<usize> = 0..=65536;
+/// Default `runtime.frame_pool_mib` (engine::synth::DEFAULT_POOL_BYTES).
+pub const DEFAULT_FRAME_POOL_MIB: usize = engine::synth::DEFAULT_POOL_BYTES >> 20;
 /// Default `runtime.calibration_dir`.
 pub const DEFAULT_CALIBRATION_DIR: &str = "/var/lib/herald/calibration";
 /// `amplifier.line`: line offset within the chip.
@@ -80,6 +84,7 @@ pub const KEYS: &[&str] = &[
     "synthesis.kv_capacity",
     "runtime.threads",
     "runtime.calibration_dir",
+    "runtime.frame_pool_mib",
     "amplifier.chip",
     "amplifier.line",
     "amplifier.active",
@@ -395,6 +400,9 @@ pub struct RuntimeConfig {
     pub threads: usize,
     /// Directory of the calibration files (`<fingerprint>.json`, `herald calibrate`).
     pub calibration_dir: PathBuf,
+    /// MiB of freed blocks the decode and the vocoder stage's frame pools may each keep
+    /// (engine::pool; 0: no pooling).
+    pub frame_pool_mib: usize,
 }
 
 /// `[amplifier]`: the optional amplifier-enable GPIO line.
@@ -479,7 +487,7 @@ impl Default for SynthesisConfig {
 
 impl Default for RuntimeConfig {
     fn default() -> Self {
-        RuntimeConfig { threads: 0, calibration_dir: PathBuf::from(DEFAULT_CALIBRATION_DIR) }
+        RuntimeConfig { threads: 0, calibration_dir: PathBuf::from(DEFAULT_CALIBRATION_DIR), frame_pool_mib: DEFAULT_FRAME_POOL_MIB }
     }
 }
 
@@ -655,6 +663,7 @@ struct SynthesisLayer {
 struct RuntimeLayer {
     threads: Option<i64>,
     calibration_dir: Option<String>,
+    frame_pool_mib: Option<i64>,
 }
 
 #[derive(Debug, Default, Deserialize)]
@@ -799,6 +808,7 @@ fn parse_into(layer: &mut Layer, key: &'static str, raw: &str) -> Result<(), Bad
         "synthesis.kv_capacity" => layer.synthesis.kv_capacity = Some(int()?),
         "runtime.threads" => layer.runtime.threads = Some(int()?),
         "runtime.calibration_dir" => layer.runtime.calibration_dir = s(),
+        "runtime.frame_pool_mib" => layer.runtime.frame_pool_mib = Some(int()?),
         "amplifier.chip" => layer.amplifier.chip = s(),
         "amplifier.line" => layer.amplifier.line = Some(int()?),
         "amplifier.active" => layer.amplifier.active = s(),
@@ -1055,7 +1065,7 @@ impl Config {
                 left_context: cli.left_context.map(wide),
                 kv_capacity: cli.kv_capacity.map(wide),
             },
-            runtime: RuntimeLayer { threads: cli.threads.map(wide), calibration_dir: None },
+            runtime: RuntimeLayer { threads: cli.threads.map(wide), calibration_dir: None, frame_pool_mib: None },
             amplifier: AmplifierLayer::default(),
             log: LogLayer { level: cli.log_level.map(|l| l.as_str().into()) },
         };
@@ -1107,6 +1117,7 @@ impl Config {
         take!(l.synthesis.left_context, "synthesis.left_context", |v| int_in(v, &LEFT_CONTEXT) => self.synthesis.left_context);
         take!(l.synthesis.kv_capacity, "synthesis.kv_capacity", |v| int_in(v, &KV_CAPACITY) => self.synthesis.kv_capacity);
         take!(l.runtime.threads, "runtime.threads", |v| int_in(v, &THREADS) => self.runtime.threads);
+        take!(l.runtime.frame_pool_mib, "runtime.frame_pool_mib", |v| int_in(v, &FRAME_POOL_MIB) => self.runtime.frame_pool_mib);
         take!(l.runtime.calibration_dir, "runtime.calibration_dir", |v: String| text(v).map(|v| {
             let p = PathBuf::from(v);
             let p = match base {
@@ -1162,6 +1173,7 @@ impl Config {
             "synthesis.kv_capacity" => i(wide(self.synthesis.kv_capacity)),
             "runtime.threads" => i(wide(self.runtime.threads)),
             "runtime.calibration_dir" => s(&self.runtime.calibration_dir.to_string_lossy()),
+            "runtime.frame_pool_mib" => i(wide(self.runtime.frame_pool_mib)),
             "amplifier.chip" => self.amplifier.chip.as_deref().and_then(s),
             "amplifier.line" => i(self.amplifier.line.into()),
             "amplifier.active" => s(self.amplifier.active.as_str()),
@@ -1415,6 +1427,7 @@ mod tests {
             ("synthesis.kv_capacity", "2048"),
             ("runtime.threads", "2"),
             ("runtime.calibration_dir", "/tmp/cal"),
+            ("runtime.frame_pool_mib", "64"),
             ("amplifier.chip", "pinctrl-rp1"),
             ("amplifier.line", "17"),
             ("amplifier.active", "low"),

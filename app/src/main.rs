@@ -23,6 +23,12 @@ use engine::{Engine, EngineError, Request, StopReason};
 
 use crate::config::{CliOverrides, Config, Sampling, SynthesisMode};
 
+/// The process's allocator: the decode and vocoder threads are served from their stages' frame
+/// pools (engine::pool) and stay off the heap in the steady state; every other thread, and every
+/// pool miss, goes to the system allocator, counted for `herald bench`.
+#[global_allocator]
+static GLOBAL: engine::pool::Pooled<bench::Counting> = engine::pool::Pooled::new(bench::Counting);
+
 /// Exit code for bad input (text, flags) or a bad configuration.
 const EXIT_INPUT: u8 = 2;
 /// Exit code for an audio device that cannot be opened or fails.

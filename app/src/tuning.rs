@@ -190,6 +190,7 @@ pub fn tune_for(
         left_context: Some(cfg.synthesis.left_context),
         talker_cpus,
         vocoder_cpus,
+        pool_bytes: cfg.runtime.frame_pool_mib << 20,
     };
     Ok(Tuned { profile, derived, fingerprint, ramp_source, settings, threads })
 }
