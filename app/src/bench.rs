@@ -76,8 +76,9 @@ pub struct BenchArgs {
     /// Timed vocoder windows (each is a whole 72 + 25-frame window: expensive at full size).
     #[arg(long, default_value_t = 3)]
     pub vocoder_steps: usize,
-    /// Pipeline frames (forced: random weights never sample eos).
-    #[arg(long, default_value_t = 105)]
+    /// Pipeline frames (forced: random weights never sample eos). The default reaches three
+    /// steady vocoder windows (72 frames of context + 25) after the ramp.
+    #[arg(long, default_value_t = 155)]
     pub frames: usize,
     /// Bandwidth buffer MiB.
     #[arg(long, default_value_t = 256)]

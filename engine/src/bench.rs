@@ -356,7 +356,7 @@ impl Default for BenchConfig {
             bandwidth_bytes: 256 << 20,
             bandwidth_runs: 7,
             text: DEFAULT_TEXT.into(),
-            frames: 105,
+            frames: 155,
             steps_only: false,
         }
     }
@@ -421,9 +421,11 @@ pub struct PipelineResult {
     pub other_ms_per_frame: f64,
     /// wall / frames, ms (80 ms = real time).
     pub wall_ms_per_frame: f64,
-    /// Heap allocations per frame in the steady state (all threads; between the first and the
-    /// last chunk of the final ramp size, divided by the frames in between); None when the
-    /// utterance has fewer than two steady chunks or no counter was given.
+    /// Heap allocations per frame in the steady state (all threads; between the arrivals of the
+    /// first and the last chunk of the ramp's largest size with its whole left context, divided
+    /// by the frames of the chunks after the first); None when the utterance has fewer than two
+    /// such chunks (at least ramp sum + left context + 2 × the largest chunk frames: 155 with
+    /// the default ramp) or no counter was given.
     pub allocations_per_frame: Option<f64>,
     /// Blocks the decode and vocoder threads took from their frame pools per frame, whole
     /// utterance: what tract's executor asks for, served without the heap ([`crate::pool`]).
@@ -514,19 +516,21 @@ pub fn pipeline(b: &Arc<Bundle>, cfg: &BenchConfig, allocs: Option<&dyn Fn() -> 
     let rate = f64::from(m.audio.sample_rate);
     let frame_s = spf / rate;
     let steady = m.vocoder.ramp.last().copied().unwrap_or(25) as usize;
-    let ramp_len = m.vocoder.ramp.len();
-    // (chunk index, frames, allocation count at arrival)
+    let left_context = m.vocoder.left_context_frames as usize;
+    // (first frame, frames, allocation count at arrival)
     let mut marks: Vec<(usize, usize, u64)> = Vec::with_capacity(cfg.frames + 8);
     let cancel = AtomicBool::new(false);
     let report = engine.synthesize(&req, &cancel, |c| {
         if let Some(a) = allocs
             && marks.len() < marks.capacity()
         {
-            marks.push((c.index, c.frames, a()));
+            marks.push((c.first_frame, c.frames, a()));
         }
         Ok(())
     })?;
-    let steady_marks: Vec<&(usize, usize, u64)> = marks.iter().filter(|(i, n, _)| *i + 1 >= ramp_len && *n == steady).collect();
+    // steady chunks: the ramp's largest chunk with its whole left context (the window the
+    // vocoder repeats from then on)
+    let steady_marks: Vec<&(usize, usize, u64)> = marks.iter().filter(|(f, n, _)| *f >= left_context && *n == steady).collect();
     let allocations_per_frame = match (steady_marks.first(), steady_marks.last()) {
         (Some(a), Some(z)) if steady_marks.len() >= 2 => {
             let frames: usize = steady_marks[1..].iter().map(|m| m.1).sum();
