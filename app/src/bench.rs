@@ -87,6 +87,10 @@ pub struct BenchArgs {
     /// tools/bench/ort_compare.py runs between onnxruntime rounds.
     #[arg(long)]
     pub steps_only: bool,
+    /// Cap of each worker stage's frame pool in MiB (runtime.frame_pool_mib; 0: no pooling,
+    /// to compare heap allocations, peak RSS and times against the pools).
+    #[arg(long, default_value_t = engine::synth::DEFAULT_POOL_BYTES >> 20, value_name = "MIB")]
+    pub frame_pool_mib: usize,
     /// Write the results as JSON to FILE.
     #[arg(long, value_name = "FILE")]
     pub json: Option<PathBuf>,
@@ -144,6 +148,7 @@ pub fn config(a: &BenchArgs) -> anyhow::Result<BenchConfig> {
         bandwidth_bytes: a.bandwidth_mib << 20,
         frames: a.frames.max(1),
         steps_only: a.steps_only,
+        pool_bytes: a.frame_pool_mib.saturating_mul(1 << 20),
         ..BenchConfig::default()
     })
 }

@@ -339,6 +339,8 @@ pub struct BenchConfig {
     pub frames: usize,
     /// Skip the pipeline and the load measurement (steps only, for the comparator).
     pub steps_only: bool,
+    /// Each worker stage's frame-pool cap in bytes (`EngineSettings::pool_bytes`).
+    pub pool_bytes: usize,
 }
 
 /// Default pipeline text: one English sentence (about 20 text tokens).
@@ -358,6 +360,7 @@ impl Default for BenchConfig {
             text: DEFAULT_TEXT.into(),
             frames: 155,
             steps_only: false,
+            pool_bytes: crate::synth::DEFAULT_POOL_BYTES,
         }
     }
 }
@@ -507,7 +510,11 @@ pub fn load_to_first_frame(dir: &Path, text: &str) -> Result<(Arc<Bundle>, LoadR
 /// Engine errors.
 pub fn pipeline(b: &Arc<Bundle>, cfg: &BenchConfig, allocs: Option<&dyn Fn() -> u64>) -> Result<PipelineResult, EngineError> {
     set_compute_threads(cfg.threads);
-    let settings = EngineSettings { kv_capacity: (cfg.frames + 512).next_power_of_two(), ..EngineSettings::default() };
+    let settings = EngineSettings {
+        kv_capacity: (cfg.frames + 512).next_power_of_two(),
+        pool_bytes: cfg.pool_bytes,
+        ..EngineSettings::default()
+    };
     let engine = Engine::with_bundle(Arc::clone(b), &settings)?;
     let mut req = Request::new(cfg.text.clone());
     req.max_frames = Some(cfg.frames);

@@ -29,6 +29,8 @@
 
 use std::alloc::{GlobalAlloc, Layout};
 use std::cell::{Cell, UnsafeCell};
+use std::marker::PhantomData;
+use std::mem::ManuallyDrop;
 use std::ptr::{self, null, null_mut};
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 
@@ -42,8 +44,9 @@ const MIN_SIZE: usize = 16;
 const MIN_ALIGN: usize = 8;
 
 thread_local! {
-    /// The pool installed on this thread, or null.
-    static CURRENT: Cell<*const FramePool> = const { Cell::new(null()) };
+    /// The state of the pool installed on this thread, or null. It points into the pool's heap
+    /// allocation (stable when the `FramePool` value moves; leaked if a guard was leaked).
+    static CURRENT: Cell<*const PoolState> = const { Cell::new(null()) };
 }
 
 /// The layout actually requested from the wrapped allocator for `l`: at least [`MIN_SIZE`]
@@ -54,10 +57,11 @@ fn effective(l: Layout) -> Layout {
 }
 
 /// The pool installed on the calling thread, if any.
-fn current<'a>() -> Option<&'a FramePool> {
+fn current<'a>() -> Option<&'a PoolState> {
     let p = CURRENT.try_with(Cell::get).unwrap_or(null());
     // SAFETY: a non-null pointer was set by `FramePool::install` and is reset by the guard's
-    // drop, which the borrow of the pool outlives.
+    // drop, which the borrow of the pool outlives; if the guard was leaked instead, the pool's
+    // drop leaks the state, so the pointer stays valid.
     if p.is_null() { None } else { Some(unsafe { &*p }) }
 }
 
@@ -136,7 +140,10 @@ unsafe impl<A: GlobalAlloc> GlobalAlloc for Pooled<A> {
         // SAFETY (from_size_align_unchecked): the caller guarantees `new_size`, rounded up to
         // `layout.align()`, does not overflow isize.
         let new_layout = unsafe { Layout::from_size_align_unchecked(new_size, layout.align()) };
-        let new = effective(new_layout);
+        // the size as raised for the link must stay a valid layout at the raised alignment
+        let Ok(new) = Layout::from_size_align(new_size.max(MIN_SIZE), layout.align().max(MIN_ALIGN)) else {
+            return null_mut();
+        };
         if current().is_none() {
             // SAFETY: `ptr` came from `inner` with `old`; `new` keeps its alignment.
             return unsafe { self.inner.realloc(ptr, old, new.size()) };
@@ -238,6 +245,13 @@ impl PoolStats {
 /// Owned by the engine; installed on one thread at a time. Dropping it returns every block to
 /// the heap.
 pub struct FramePool {
+    /// Boxed so that the address the installed thread keeps survives moves of the pool;
+    /// leaked instead of dropped if an [`Installed`] guard was leaked.
+    state: ManuallyDrop<Box<PoolState>>,
+}
+
+/// A pool's free lists and counters.
+struct PoolState {
     table: Box<UnsafeCell<Table>>,
     /// Where [`Installed::trim`] rebuilds the table without its stale keys (then swapped in).
     spare: Box<UnsafeCell<Table>>,
@@ -252,29 +266,36 @@ pub struct FramePool {
 }
 
 // SAFETY: the table is touched only by the thread the pool is installed on (`busy` admits one
-// at a time, with acquire/release ordering between successive holders) and by `Drop` (`&mut`);
-// the counters are atomics.
-unsafe impl Sync for FramePool {}
+// at a time, with acquire/release ordering between successive holders) and by the pool's drop
+// (`&mut`, no guard alive); the counters are atomics.
+unsafe impl Sync for PoolState {}
 // SAFETY: the raw pointers in the table are blocks owned by the pool, not tied to a thread.
-unsafe impl Send for FramePool {}
+unsafe impl Send for PoolState {}
 
 impl std::fmt::Debug for FramePool {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("FramePool").field("cap", &self.cap).field("stats", &self.stats()).finish()
+        f.debug_struct("FramePool").field("cap", &self.state.cap).field("stats", &self.stats()).finish()
     }
 }
 
 /// Keeps a [`FramePool`] installed on the current thread; dropping it uninstalls the pool (the
 /// blocks stay in the pool for the next thread that installs it).
-#[derive(Debug)]
+///
+/// Not `Send`: it uninstalls on the thread that installed.
 pub struct Installed<'a> {
-    pool: &'a FramePool,
-    previous: *const FramePool,
+    pool: &'a PoolState,
+    _not_send: PhantomData<*const ()>,
+}
+
+impl std::fmt::Debug for Installed<'_> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Installed").field("cap", &self.pool.cap).finish_non_exhaustive()
+    }
 }
 
 impl Drop for Installed<'_> {
     fn drop(&mut self) {
-        let _ = CURRENT.try_with(|c| c.set(self.previous));
+        let _ = CURRENT.try_with(|c| c.set(null()));
         self.pool.busy.store(false, Ordering::Release);
     }
 }
@@ -355,7 +376,44 @@ impl FramePool {
     /// An empty pool that keeps at most `cap` bytes of freed blocks (0: keeps nothing; every
     /// request goes to the heap, and is counted).
     pub fn new(cap: usize) -> FramePool {
-        FramePool {
+        FramePool { state: ManuallyDrop::new(Box::new(PoolState::new(cap))) }
+    }
+
+    /// The cap in bytes.
+    pub fn cap(&self) -> usize {
+        self.state.cap
+    }
+
+    /// Counters so far.
+    pub fn stats(&self) -> PoolStats {
+        self.state.stats()
+    }
+
+    /// Serve the calling thread's allocations from this pool until the guard is dropped.
+    ///
+    /// Returns `None` (and changes nothing) when the pool is installed on another thread right
+    /// now (a pool's free lists have one owner at a time), or when this thread already has a
+    /// pool installed (pools do not nest). Only effective when the process's global allocator is
+    /// [`Pooled`]; otherwise the pool simply stays empty.
+    pub fn install(&self) -> Option<Installed<'_>> {
+        let state: &PoolState = &self.state;
+        if CURRENT.try_with(|c| !c.get().is_null()).unwrap_or(true) {
+            return None;
+        }
+        if state.busy.compare_exchange(false, true, Ordering::Acquire, Ordering::Relaxed).is_err() {
+            return None;
+        }
+        if CURRENT.try_with(|c| c.set(state as *const PoolState)).is_err() {
+            state.busy.store(false, Ordering::Release);
+            return None;
+        }
+        Some(Installed { pool: state, _not_send: PhantomData })
+    }
+}
+
+impl PoolState {
+    fn new(cap: usize) -> PoolState {
+        PoolState {
             table: Table::new(),
             spare: Table::new(),
             busy: AtomicBool::new(false),
@@ -369,13 +427,8 @@ impl FramePool {
         }
     }
 
-    /// The cap in bytes.
-    pub fn cap(&self) -> usize {
-        self.cap
-    }
-
     /// Counters so far.
-    pub fn stats(&self) -> PoolStats {
+    fn stats(&self) -> PoolStats {
         PoolStats {
             served: self.served.load(Ordering::Relaxed),
             heap_allocations: self.heap.load(Ordering::Relaxed),
@@ -383,25 +436,6 @@ impl FramePool {
             retained_bytes: self.retained.load(Ordering::Relaxed),
             high_water_bytes: self.high_water.load(Ordering::Relaxed),
             layouts: self.layouts.load(Ordering::Relaxed),
-        }
-    }
-
-    /// Serve the calling thread's allocations from this pool until the guard is dropped.
-    ///
-    /// Returns `None` (and changes nothing) when the pool is installed on another thread right
-    /// now: a pool's free lists have one owner at a time. Only effective when the process's
-    /// global allocator is [`Pooled`]; otherwise the pool simply stays empty.
-    pub fn install(&self) -> Option<Installed<'_>> {
-        if self.busy.compare_exchange(false, true, Ordering::Acquire, Ordering::Relaxed).is_err() {
-            return None;
-        }
-        let previous = CURRENT.try_with(|c| c.replace(self as *const FramePool)).ok();
-        match previous {
-            Some(previous) => Some(Installed { pool: self, previous }),
-            None => {
-                self.busy.store(false, Ordering::Release);
-                None
-            }
         }
     }
 
@@ -483,7 +517,13 @@ impl FramePool {
 
 impl Drop for FramePool {
     fn drop(&mut self) {
-        let t = self.table.get_mut();
+        // `&mut self`: no guard is alive; `busy` still set means a guard was leaked, and its
+        // thread may still point at the state: leak it rather than free it under that thread
+        if *self.state.busy.get_mut() {
+            return;
+        }
+        let state: &mut PoolState = &mut self.state;
+        let t = state.table.get_mut();
         for en in &mut t.entries {
             if en.size == 0 {
                 continue;
@@ -501,6 +541,8 @@ impl Drop for FramePool {
             }
             en.blocks = 0;
         }
-        self.retained.store(0, Ordering::Relaxed);
+        state.retained.store(0, Ordering::Relaxed);
+        // SAFETY: not used again; the blocks are back on the heap.
+        unsafe { ManuallyDrop::drop(&mut self.state) };
     }
 }

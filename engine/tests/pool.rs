@@ -220,6 +220,29 @@ fn dropping_a_pool_returns_every_block_to_the_heap() {
     assert!(kept >= (1..50).map(|i| i * 100).sum::<usize>());
     let f = heap_frees();
     drop(pool);
-    // every kept block (49 + the outer Vec's), then the pool's two layout tables
-    assert_eq!(heap_frees() - f, n + 1 + 2);
+    // every kept block (49 + the outer Vec's), then the pool's state and its two layout tables
+    assert_eq!(heap_frees() - f, n + 1 + 3);
+}
+
+#[test]
+fn pools_do_not_nest_and_a_leaked_guard_stays_sound() {
+    let a = FramePool::new(1 << 20);
+    let b = FramePool::new(1 << 20);
+    let ga = a.install().unwrap();
+    assert!(b.install().is_none(), "a second pool on one thread is refused");
+    drop(ga);
+    let gb = b.install().expect("free after the first guard is gone");
+    drop(gb);
+    // a leaked guard: the pool keeps serving this thread, and moving or dropping the pool
+    // must not leave the thread pointing at freed memory (the pool's state is leaked instead)
+    std::mem::forget(a.install().unwrap());
+    let moved = a;
+    let v = vec![7u8; 4000];
+    drop(v);
+    assert!(moved.stats().retained_bytes >= 4000);
+    drop(moved);
+    let w = vec![8u8; 4000]; // served by the leaked state, which is still valid
+    assert!(w.iter().all(|&x| x == 8));
+    drop(w);
+    assert!(b.install().is_none(), "the thread still has the leaked pool installed");
 }
