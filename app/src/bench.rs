@@ -87,10 +87,11 @@ pub struct BenchArgs {
     /// tools/bench/ort_compare.py runs between onnxruntime rounds.
     #[arg(long)]
     pub steps_only: bool,
-    /// Cap of each worker stage's frame pool in MiB (runtime.frame_pool_mib; 0: no pooling,
-    /// to compare heap allocations, peak RSS and times against the pools).
-    #[arg(long, default_value_t = engine::synth::DEFAULT_POOL_BYTES >> 20, value_name = "MIB")]
-    pub frame_pool_mib: usize,
+    /// Cap of each worker stage's frame pool in MiB, as `runtime.frame_pool_mib` sets it for
+    /// speak and serve (0: no pooling, to compare heap allocations, peak RSS and times).
+    #[arg(long, default_value_t = (engine::synth::DEFAULT_POOL_BYTES >> 20) as u64, value_name = "MIB",
+          value_parser = clap::value_parser!(u64).range(0..=65536))]
+    pub frame_pool_mib: u64,
     /// Write the results as JSON to FILE.
     #[arg(long, value_name = "FILE")]
     pub json: Option<PathBuf>,
@@ -148,7 +149,7 @@ pub fn config(a: &BenchArgs) -> anyhow::Result<BenchConfig> {
         bandwidth_bytes: a.bandwidth_mib << 20,
         frames: a.frames.max(1),
         steps_only: a.steps_only,
-        pool_bytes: a.frame_pool_mib.saturating_mul(1 << 20),
+        pool_bytes: usize::try_from(a.frame_pool_mib << 20).unwrap_or(usize::MAX),
         ..BenchConfig::default()
     })
 }

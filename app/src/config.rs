@@ -701,6 +701,7 @@ fn expected(key: &str) -> &'static str {
         | "synthesis.left_context"
         | "synthesis.kv_capacity"
         | "runtime.threads"
+        | "runtime.frame_pool_mib"
         | "amplifier.line"
         | "amplifier.lead_ms" => "an integer",
         _ => "a string",
@@ -1573,6 +1574,8 @@ mod tests {
         ("[synthesis]\nkv_capacity = 65537", "synthesis.kv_capacity = 65537 is out of range (64..=65536)"),
         ("[runtime]\nthreads = 1000", "runtime.threads = 1000 is out of range (0..=256)"),
         ("[runtime]\nthreads = -1", "runtime.threads = -1 is out of range (0..=256)"),
+        ("[runtime]\nframe_pool_mib = \"abc\"", "runtime.frame_pool_mib = \"abc\" has the wrong type (expected an integer)"),
+        ("[runtime]\nframe_pool_mib = 65537", "runtime.frame_pool_mib = 65537 is out of range (0..=65536)"),
         ("[runtime]\ncalibration_dir = 3", "runtime.calibration_dir = 3 has the wrong type (expected a string)"),
         ("[amplifier]\nline = 4096", "amplifier.line = 4096 is out of range (0..=4095)"),
         ("[amplifier]\nline = \"17\"", "amplifier.line = \"17\" has the wrong type (expected an integer)"),
@@ -1637,6 +1640,11 @@ mod tests {
             ("HERALD_AUDIO_VOLUME", "abc", "env HERALD_AUDIO_VOLUME: audio.volume = \"abc\" is not a number"),
             ("HERALD_AUDIO_VOLUME", "2.5", "env HERALD_AUDIO_VOLUME: audio.volume = 2.5 is out of range (0.0..=2.0)"),
             ("HERALD_AUDIO_FADE_MS", "5ms", "env HERALD_AUDIO_FADE_MS: audio.fade_ms = \"5ms\" is not an integer"),
+            (
+                "HERALD_RUNTIME_FRAME_POOL_MIB",
+                "abc",
+                "env HERALD_RUNTIME_FRAME_POOL_MIB: runtime.frame_pool_mib = \"abc\" is not an integer",
+            ),
             ("HERALD_AUDIO_FORMAT", "u8", "env HERALD_AUDIO_FORMAT: audio.format = \"u8\" is not one of: s16, f32"),
             ("HERALD_AUDIO_DEVICE", "", "env HERALD_AUDIO_DEVICE: audio.device = \"\" must not be empty"),
             (

@@ -424,12 +424,15 @@ pub struct PipelineResult {
     pub other_ms_per_frame: f64,
     /// wall / frames, ms (80 ms = real time).
     pub wall_ms_per_frame: f64,
-    /// Heap allocations per frame in the steady state (all threads; between the arrivals of the
-    /// first and the last chunk of the ramp's largest size with its whole left context, divided
-    /// by the frames of the chunks after the first); None when the utterance has fewer than two
-    /// such chunks (at least ramp sum + left context + 2 × the largest chunk frames: 155 with
-    /// the default ramp) or no counter was given.
+    /// Heap allocations per frame in the steady state of the decode and vocoder threads
+    /// ([`crate::StageMemory::steady_heap_allocations_per_frame`]: decode frames after the first
+    /// two, vocoder chunks that repeat a window length); None when the utterance is too short to
+    /// repeat a vocoder window (fewer than ramp sum + left context + 2 × the largest chunk
+    /// frames: 155 with the default ramp is enough).
     pub allocations_per_frame: Option<f64>,
+    /// Heap allocations per frame of the whole process over the whole utterance (warm-up,
+    /// prefill and the caller's thread included); None without a counter.
+    pub process_allocations_per_frame: Option<f64>,
     /// Blocks the decode and vocoder threads took from their frame pools per frame, whole
     /// utterance: what tract's executor asks for, served without the heap ([`crate::pool`]).
     pub pool_blocks_per_frame: f64,
@@ -522,29 +525,14 @@ pub fn pipeline(b: &Arc<Bundle>, cfg: &BenchConfig, allocs: Option<&dyn Fn() -> 
     let spf = m.audio.samples_per_frame as f64;
     let rate = f64::from(m.audio.sample_rate);
     let frame_s = spf / rate;
-    let steady = m.vocoder.ramp.last().copied().unwrap_or(25) as usize;
-    let left_context = m.vocoder.left_context_frames as usize;
-    // (first frame, frames, allocation count at arrival)
-    let mut marks: Vec<(usize, usize, u64)> = Vec::with_capacity(cfg.frames + 8);
     let cancel = AtomicBool::new(false);
-    let report = engine.synthesize(&req, &cancel, |c| {
-        if let Some(a) = allocs
-            && marks.len() < marks.capacity()
-        {
-            marks.push((c.first_frame, c.frames, a()));
-        }
-        Ok(())
-    })?;
-    // steady chunks: the ramp's largest chunk with its whole left context (the window the
-    // vocoder repeats from then on)
-    let steady_marks: Vec<&(usize, usize, u64)> = marks.iter().filter(|(f, n, _)| *f >= left_context && *n == steady).collect();
-    let allocations_per_frame = match (steady_marks.first(), steady_marks.last()) {
-        (Some(a), Some(z)) if steady_marks.len() >= 2 => {
-            let frames: usize = steady_marks[1..].iter().map(|m| m.1).sum();
-            Some((z.2 - a.2) as f64 / frames as f64)
-        }
+    let before = allocs.map(|a| a());
+    let report = engine.synthesize(&req, &cancel, |_| Ok(()))?;
+    let process_allocations_per_frame = match (allocs, before) {
+        (Some(a), Some(b)) => Some((a() - b) as f64 / report.frames.max(1) as f64),
         _ => None,
     };
+    let allocations_per_frame = report.memory.steady_heap_allocations_per_frame();
     let playback = PlaybackMetrics::from_chunks(&report.chunk_times, frame_s);
     let frames = report.frames.max(1) as f64;
     let s = &report.stats;
@@ -568,6 +556,7 @@ pub fn pipeline(b: &Arc<Bundle>, cfg: &BenchConfig, allocs: Option<&dyn Fn() -> 
         other_ms_per_frame: wall_pf - talker - predictor,
         wall_ms_per_frame: wall_pf,
         allocations_per_frame,
+        process_allocations_per_frame,
         pool_blocks_per_frame: (report.memory.decode_served + report.memory.vocoder_served) as f64 / frames,
         memory: report.memory,
         chunks: report.chunk_times.iter().map(|c| c.1).collect(),
@@ -675,6 +664,8 @@ impl BenchResult {
             let _ = writeln!(o, "| playback stall s | {:.3} |", p.stall_s);
             let allocs = p.allocations_per_frame.map_or("–".to_string(), |a| format!("{a:.0}"));
             let _ = writeln!(o, "| heap allocations per frame (steady state) | {allocs} |");
+            let proc = p.process_allocations_per_frame.map_or("–".to_string(), |a| format!("{a:.0}"));
+            let _ = writeln!(o, "| heap allocations per frame (whole utterance, all threads) | {proc} |");
             let _ = writeln!(o, "| frame-pool blocks per frame (tract's requests, no heap) | {:.0} |", p.pool_blocks_per_frame);
             let mem = &p.memory;
             let _ = writeln!(

@@ -81,6 +81,11 @@ pub struct StageMemory {
     pub decode_heap_allocations: u64,
     /// Blocks the decode thread got from its pool instead.
     pub decode_served: u64,
+    /// The decode thread's steady frames: all but its first two (the first code-predictor loop
+    /// and the first one-position talker step), slot-tier growth included.
+    pub decode_steady_frames: usize,
+    /// Heap allocations of the decode thread in its steady frames.
+    pub decode_steady_heap_allocations: u64,
     /// Chunks during which the vocoder thread called the heap (a window length the pool has not
     /// seen yet).
     pub vocoder_chunks_on_heap: usize,
@@ -88,10 +93,30 @@ pub struct StageMemory {
     pub vocoder_heap_allocations: u64,
     /// Blocks the vocoder thread got from its pool instead.
     pub vocoder_served: u64,
+    /// Frames in the vocoder's steady chunks: those whose window length repeats the previous
+    /// chunk's (after the ramp, the whole left context plus the largest chunk).
+    pub vocoder_steady_frames: usize,
+    /// Heap allocations of the vocoder thread in its steady chunks.
+    pub vocoder_steady_heap_allocations: u64,
     /// Bytes the decode thread's pool keeps after the utterance.
     pub decode_retained_bytes: usize,
     /// Bytes the vocoder thread's pool keeps after the utterance.
     pub vocoder_retained_bytes: usize,
+}
+
+impl StageMemory {
+    /// Heap allocations per frame in the steady state: the decode thread's per steady frame
+    /// plus the vocoder's per frame of its steady chunks; None when either has no steady frame
+    /// (an utterance too short to repeat a vocoder window).
+    pub fn steady_heap_allocations_per_frame(&self) -> Option<f64> {
+        if self.decode_steady_frames == 0 || self.vocoder_steady_frames == 0 {
+            return None;
+        }
+        Some(
+            self.decode_steady_heap_allocations as f64 / self.decode_steady_frames as f64
+                + self.vocoder_steady_heap_allocations as f64 / self.vocoder_steady_frames as f64,
+        )
+    }
 }
 
 impl std::fmt::Display for StageMemory {
@@ -117,20 +142,46 @@ struct HeapMeter<'a> {
     pool: &'a FramePool,
     installed: Option<Installed<'a>>,
     start: PoolStats,
+    units: usize,
     units_on_heap: usize,
     shape: usize,
+    steady_frames: usize,
+    steady_heap: u64,
+}
+
+/// What a [`HeapMeter`] counted over one utterance.
+#[derive(Debug, Clone, Copy, Default)]
+struct MeterTotals {
+    units_on_heap: usize,
+    heap_allocations: u64,
+    served: u64,
+    steady_frames: usize,
+    steady_heap_allocations: u64,
 }
 
 impl<'a> HeapMeter<'a> {
     /// Install `pool` on this thread (if another thread holds it, the stage runs on the heap).
     fn install(pool: &'a FramePool) -> Self {
-        HeapMeter { pool, installed: pool.install(), start: pool.stats(), units_on_heap: 0, shape: 0 }
+        HeapMeter {
+            pool,
+            installed: pool.install(),
+            start: pool.stats(),
+            units: 0,
+            units_on_heap: 0,
+            shape: 0,
+            steady_frames: 0,
+            steady_heap: 0,
+        }
     }
 
-    /// Run one unit of work, noting whether it reached the heap. `shape`
+    /// Run one unit of work, noting whether it reached the heap; `frames` tells from its result
+    /// how many frames it produced (0 for the decode thread's final call). `shape`
     /// names the unit's layouts (the vocoder's window length): when it changes, the pool is
-    /// emptied first, so it never holds two working sets at once.
-    fn unit<R>(&mut self, shape: usize, f: impl FnOnce() -> R) -> R {
+    /// emptied first, so it never holds two working sets at once. A unit is steady from the
+    /// third on when its shape repeats the previous one's: the decode thread's frames after the
+    /// first predictor loop and talker step, the vocoder's repeated windows.
+    fn unit<R>(&mut self, shape: usize, frames: impl FnOnce(&R) -> usize, f: impl FnOnce() -> R) -> R {
+        let steady = self.units >= 2 && shape == self.shape;
         if shape != self.shape
             && let Some(i) = &mut self.installed
         {
@@ -139,8 +190,12 @@ impl<'a> HeapMeter<'a> {
         self.shape = shape;
         let before = self.pool.stats().heap_allocations;
         let r = f();
-        if self.pool.stats().heap_allocations != before {
-            self.units_on_heap += 1;
+        let heap = self.pool.stats().heap_allocations - before;
+        self.units += 1;
+        self.units_on_heap += usize::from(heap > 0);
+        if steady {
+            self.steady_frames += frames(&r);
+            self.steady_heap += heap;
         }
         r
     }
@@ -160,9 +215,15 @@ impl<'a> HeapMeter<'a> {
     }
 
     /// (units on the heap, heap allocations, served) since `new`.
-    fn totals(&self) -> (usize, u64, u64) {
+    fn totals(&self) -> MeterTotals {
         let d = self.pool.stats().since(&self.start);
-        (self.units_on_heap, d.heap_allocations, d.served)
+        MeterTotals {
+            units_on_heap: self.units_on_heap,
+            heap_allocations: d.heap_allocations,
+            served: d.served,
+            steady_frames: self.steady_frames,
+            steady_heap_allocations: self.steady_heap,
+        }
     }
 }
 
@@ -409,7 +470,7 @@ impl Engine {
         // one entry per chunk; reserved per utterance, not per frame
         let mut report_chunks: Vec<(f64, usize)> = Vec::with_capacity(decoder.frame_cap() / self.ramp[0].max(1) + 8);
         // (units on the heap, heap allocations, blocks served) of each worker
-        let (mut decode_mem, mut vocoder_mem) = ((0, 0, 0), (0, 0, 0));
+        let (mut decode_mem, mut vocoder_mem) = (MeterTotals::default(), MeterTotals::default());
         let result: Result<(usize, usize), EngineError> = thread::scope(|s| {
             // reborrows, so the workers borrow what the engine keeps between utterances
             let decoder = &mut *decoder;
@@ -430,7 +491,7 @@ impl Engine {
                         if cancelled() {
                             return Err(EngineError::Cancelled);
                         }
-                        let Some(frame) = meter.unit(0, || decoder.next_frame())? else { break };
+                        let Some(frame) = meter.unit(0, |r| usize::from(matches!(r, Ok(Some(_)))), || decoder.next_frame())? else { break };
                         meter.trim();
                         let ft = decoder.last_timing();
                         predictor.record(ft.predictor);
@@ -501,7 +562,7 @@ impl Engine {
                         let w0 = window.len() - pending;
                         let ctx_start = w0.saturating_sub(vocoder.left_context);
                         let tv = Instant::now();
-                        let r = meter.unit(w0 + n - ctx_start, || vocoder.decode(&window[ctx_start..w0 + n], n, &mut buf[..spf_n]));
+                        let r = meter.unit(w0 + n - ctx_start, |_| n, || vocoder.decode(&window[ctx_start..w0 + n], n, &mut buf[..spf_n]));
                         voc_stat.record(tv.elapsed());
                         r?;
                         meter.trim();
@@ -591,12 +652,16 @@ impl Engine {
         let playback = PlaybackMetrics::from_chunks(&report_chunks, frame_seconds);
         log::info!("{playback}");
         let memory = StageMemory {
-            decode_frames_on_heap: decode_mem.0,
-            decode_heap_allocations: decode_mem.1,
-            decode_served: decode_mem.2,
-            vocoder_chunks_on_heap: vocoder_mem.0,
-            vocoder_heap_allocations: vocoder_mem.1,
-            vocoder_served: vocoder_mem.2,
+            decode_frames_on_heap: decode_mem.units_on_heap,
+            decode_heap_allocations: decode_mem.heap_allocations,
+            decode_served: decode_mem.served,
+            decode_steady_frames: decode_mem.steady_frames,
+            decode_steady_heap_allocations: decode_mem.steady_heap_allocations,
+            vocoder_chunks_on_heap: vocoder_mem.units_on_heap,
+            vocoder_heap_allocations: vocoder_mem.heap_allocations,
+            vocoder_served: vocoder_mem.served,
+            vocoder_steady_frames: vocoder_mem.steady_frames,
+            vocoder_steady_heap_allocations: vocoder_mem.steady_heap_allocations,
             decode_retained_bytes: self.decode_pool.stats().retained_bytes,
             vocoder_retained_bytes: self.vocoder_pool.stats().retained_bytes,
         };

@@ -177,5 +177,8 @@ fn the_pipeline_reports_its_threads_off_the_heap() {
     assert!((2..=4).contains(&first.memory.decode_frames_on_heap), "{}", first.memory);
     assert!(second.memory.decode_frames_on_heap <= 1, "{}", second.memory);
     assert!(second.memory.decode_heap_allocations <= 20, "{}", second.memory);
+    // the steady part (frames after the first two) is exactly zero
+    assert_eq!(second.memory.decode_steady_frames, 58, "{:?}", second.memory);
+    assert_eq!(second.memory.decode_steady_heap_allocations, 0, "{:?}", second.memory);
 }
 

@@ -81,7 +81,11 @@ def check_bench(b: dict, sweep: int) -> None:
               "memory.decode_served", "memory.vocoder_served"):
         positive(b, f"pipeline.{k}")
     # the frame pools may keep the steady state entirely off the heap
-    for k in ("allocations_per_frame", "memory.decode_frames_on_heap", "memory.vocoder_chunks_on_heap"):
+    positive(b, "pipeline.memory.decode_steady_frames")
+    positive(b, "pipeline.memory.vocoder_steady_frames")
+    for k in ("allocations_per_frame", "process_allocations_per_frame", "memory.decode_frames_on_heap",
+              "memory.vocoder_chunks_on_heap", "memory.decode_steady_heap_allocations",
+              "memory.vocoder_steady_heap_allocations"):
         positive(b, f"pipeline.{k}", allow_zero=True)
     positive(b, "pipeline.stall_s", allow_zero=True)
     positive(b, "pipeline.stall_gaps", allow_zero=True)
