@@ -178,6 +178,27 @@ struct Entry {
     last: u64,
 }
 
+impl Entry {
+    /// Give every block of the list back to the heap and empty it.
+    ///
+    /// # Safety
+    /// The pool must not be installed on the calling thread (the blocks would come back).
+    unsafe fn free_all(&mut self) {
+        // SAFETY: (size, align) came from a valid layout.
+        let l = unsafe { Layout::from_size_align_unchecked(self.size, self.align) };
+        while !self.head.is_null() {
+            let b = self.head;
+            // SAFETY: the block came from the global allocator (a `Pooled`: only it pushes
+            // blocks) with the effective layout `l`, and `effective(l) == l`.
+            unsafe {
+                self.head = ptr::read_unaligned(b.cast::<*mut u8>());
+                std::alloc::dealloc(b, l);
+            }
+        }
+        self.blocks = 0;
+    }
+}
+
 const UNUSED: Entry = Entry { size: 0, align: 0, head: null_mut(), blocks: 0, last: 0 };
 
 struct Table {
@@ -351,18 +372,9 @@ impl Installed<'_> {
                 spare.used += 1;
                 continue;
             }
-            // SAFETY: (size, align) came from a valid layout.
-            let l = unsafe { Layout::from_size_align_unchecked(en.size, en.align) };
-            while !en.head.is_null() {
-                let b = en.head;
-                // SAFETY: the block came from the global allocator with `l` (see Drop).
-                unsafe {
-                    en.head = ptr::read_unaligned(b.cast::<*mut u8>());
-                    std::alloc::dealloc(b, l);
-                }
-            }
             freed += en.blocks * en.size;
-            en.blocks = 0;
+            // SAFETY: the pool is uninstalled from this thread for the duration.
+            unsafe { en.free_all() };
         }
         t.entries.copy_from_slice(&spare.entries);
         t.used = spare.used;
@@ -528,18 +540,8 @@ impl Drop for FramePool {
             if en.size == 0 {
                 continue;
             }
-            // SAFETY: (size, align) came from a valid layout.
-            let l = unsafe { Layout::from_size_align_unchecked(en.size, en.align) };
-            while !en.head.is_null() {
-                let b = en.head;
-                // SAFETY: the block came from the global allocator (a `Pooled`: only it pushes
-                // blocks) with the effective layout `l`, and `effective(l) == l`.
-                unsafe {
-                    en.head = ptr::read_unaligned(b.cast::<*mut u8>());
-                    std::alloc::dealloc(b, l);
-                }
-            }
-            en.blocks = 0;
+            // SAFETY: `&mut self`: not installed anywhere (a leaked guard returned above).
+            unsafe { en.free_all() };
         }
         state.retained.store(0, Ordering::Relaxed);
         // SAFETY: not used again; the blocks are back on the heap.
