@@ -80,11 +80,6 @@ impl<A> Pooled<A> {
     pub const fn new(inner: A) -> Self {
         Pooled { inner }
     }
-
-    /// The wrapped allocator.
-    pub const fn inner(&self) -> &A {
-        &self.inner
-    }
 }
 
 // SAFETY: every block handed out comes from `inner` with `effective(layout)`, which satisfies
