@@ -14,7 +14,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 
 use anyhow::Context;
 use clap::Args;
-use engine::bench::{BenchConfig, BenchResult};
+use ::bench::{BenchConfig, BenchResult};
 
 /// The system allocator, counting the allocations and reallocations that reach it (all
 /// threads). Wrapped by the process's global allocator, `engine::pool::Pooled` (`main.rs`).
@@ -89,7 +89,7 @@ pub struct BenchArgs {
     pub steps_only: bool,
     /// Cap of each worker stage's frame pool in MiB, as `runtime.frame_pool_mib` sets it for
     /// speak and serve (0: no pooling, to compare heap allocations, peak RSS and times).
-    #[arg(long, default_value_t = (engine::synth::DEFAULT_POOL_BYTES >> 20) as u64, value_name = "MIB",
+    #[arg(long, default_value_t = (engine::DEFAULT_POOL_BYTES >> 20) as u64, value_name = "MIB",
           value_parser = clap::value_parser!(u64).range(0..=65536))]
     pub frame_pool_mib: u64,
     /// Write the results as JSON to FILE.
@@ -161,7 +161,7 @@ pub fn config(a: &BenchArgs) -> anyhow::Result<BenchConfig> {
 pub fn run(a: &BenchArgs) -> anyhow::Result<BenchResult> {
     let cfg = config(a)?;
     let counter: &dyn Fn() -> u64 = &allocations;
-    let mut r = engine::bench::run(&a.bundle, &cfg, Some(counter))?;
+    let mut r = ::bench::run(&a.bundle, &cfg, Some(counter))?;
     r.peak_rss_bytes = peak_rss();
     let md = r.to_markdown();
     if let Some(p) = &a.json {

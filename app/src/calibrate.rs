@@ -98,7 +98,7 @@ pub fn run(cfg: &Config, args: &CalibrateArgs) -> Result<(), Failure> {
     }
     let dir = &cfg.model.bundle;
     let bundle_ctx = |e: engine::ManifestError| fail(EXIT_BUNDLE, anyhow::Error::new(e).context(format!("bundle {}", dir.display())));
-    let manifest = engine::Manifest::load(dir).map_err(bundle_ctx)?;
+    let manifest = engine::read_manifest(dir).map_err(bundle_ctx)?;
     let tuned = tuning::tune(cfg, dir, &manifest).map_err(tune_failure)?;
     tuned.log();
     let profile_override = tuned.profile.source.starts_with("override:");
@@ -108,13 +108,13 @@ pub fn run(cfg: &Config, args: &CalibrateArgs) -> Result<(), Failure> {
              the file is marked, and a board probing itself ignores it"
         );
     }
-    engine::set_compute_threads(tuned.threads);
+    backend_tract::set_compute_threads(tuned.threads);
     // measure with the configured (default) ramp, never with a previous calibration
     let default_ramp = cfg.synthesis.ramp.clone();
     let steady = default_ramp.last().copied().unwrap_or(25);
     let settings = EngineSettings { ramp: Some(default_ramp.clone()), ..tuned.settings.clone() };
     let t_load = Instant::now();
-    let engine = Engine::load(dir, &settings)
+    let engine = Engine::load(dir, &backend_tract::Tract, &settings)
         .map_err(|e| fail(engine_code(&e), anyhow::Error::new(e).context(format!("bundle {}", dir.display()))))?;
     let frame_ms = 1e3 * f64::from(manifest.audio.samples_per_frame) / f64::from(manifest.audio.sample_rate);
     log::info!("bundle loaded in {:.2} s; warming up", t_load.elapsed().as_secs_f64());

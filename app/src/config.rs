@@ -54,8 +54,8 @@ pub const SEED: RangeInclusive<u64> = 0..=(i64::MAX as u64);
 pub const THREADS: RangeInclusive<usize> = 0..=256;
 /// `runtime.frame_pool_mib`: MiB each worker stage's frame pool may keep.
 pub const FRAME_POOL_MIB: RangeInclusive<usize> = 0..=65536;
-/// Default `runtime.frame_pool_mib` (engine::synth::DEFAULT_POOL_BYTES).
-pub const DEFAULT_FRAME_POOL_MIB: usize = engine::synth::DEFAULT_POOL_BYTES >> 20;
+/// Default `runtime.frame_pool_mib` (engine::DEFAULT_POOL_BYTES).
+pub const DEFAULT_FRAME_POOL_MIB: usize = engine::DEFAULT_POOL_BYTES >> 20;
 /// Default `runtime.calibration_dir`.
 pub const DEFAULT_CALIBRATION_DIR: &str = "/var/lib/herald/calibration";
 /// `amplifier.line`: line offset within the chip.

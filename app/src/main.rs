@@ -203,7 +203,7 @@ fn print_probe(cfg: &Config) -> Result<(), Failure> {
     let mut o = std::io::stdout().lock();
     let _ = writeln!(o, "{}", p.describe());
     let dir = &cfg.model.bundle;
-    match engine::Manifest::load(dir) {
+    match engine::read_manifest(dir) {
         Ok(m) => {
             // A profile from HERALD_HW_PROFILE describes another board: show its own split, not
             // what this machine's CPU set would leave of it (speak pins within what it may use).
@@ -337,7 +337,7 @@ fn run(cli: Cli) -> Result<(), Failure> {
     match cli.command {
         Command::Sanitize { input, output } => {
             init_logging("warn");
-            let report = engine::sanitize::sanitize_file(&input, &output).map_err(|e| fail(EXIT_INPUT, e))?;
+            let report = backend_tract::sanitize::sanitize_file(&input, &output).map_err(|e| fail(EXIT_INPUT, e))?;
             eprintln!("{}: {report}", output.display());
             Ok(())
         }
@@ -381,7 +381,7 @@ fn run(cli: Cli) -> Result<(), Failure> {
             let cfg = load_config(cli.config.as_deref())?;
             init_logging(cfg.log.filter(std::env::var("RUST_LOG").ok().as_deref()));
             let dir = bundle.unwrap_or_else(|| cfg.model.bundle.clone());
-            let m = engine::Manifest::load(&dir).map_err(|e| fail(EXIT_BUNDLE, anyhow::Error::new(e).context(format!("bundle {}", dir.display()))))?;
+            let m = engine::read_manifest(&dir).map_err(|e| fail(EXIT_BUNDLE, anyhow::Error::new(e).context(format!("bundle {}", dir.display()))))?;
             match print_info(&dir, &m) {
                 Err(e) if e.kind() != std::io::ErrorKind::BrokenPipe => Err(fail(1, e)),
                 _ => Ok(()),
@@ -477,15 +477,15 @@ fn speak(cfg: &Config, text: &str, out: Option<&str>, raw: bool) -> Result<(), F
     let bundle_err = |e: engine::ManifestError| {
         fail(EXIT_BUNDLE, anyhow::Error::new(e).context(format!("bundle {}", cfg.model.bundle.display())))
     };
-    let manifest = engine::Manifest::load(&cfg.model.bundle).map_err(bundle_err)?;
+    let manifest = engine::read_manifest(&cfg.model.bundle).map_err(bundle_err)?;
     let rate = manifest.audio.sample_rate;
     // The board: thread placement, memory (a bundle that cannot fit is refused here), ramp.
     let tuned = tuning::tune(cfg, &cfg.model.bundle, &manifest).map_err(tune_failure)?;
     tuned.log();
-    engine::set_compute_threads(tuned.threads);
+    backend_tract::set_compute_threads(tuned.threads);
     let settings = tuned.settings.clone();
     // Check the text and the voice before touching the device or loading the graphs.
-    let prompter = engine::prompt::Prompter::new(&cfg.model.bundle, &manifest)
+    let prompter = engine::read_prompter(&cfg.model.bundle, &manifest)
         .map_err(|e| fail(EXIT_BUNDLE, anyhow::Error::new(e).context(format!("bundle {}", cfg.model.bundle.display()))))?;
     prompter
         .layout(&request.text, request.language.as_deref(), request.speaker.as_deref(), request.mode)
@@ -510,7 +510,7 @@ fn speak(cfg: &Config, text: &str, out: Option<&str>, raw: bool) -> Result<(), F
     }
     // Open the output before loading the graphs: a busy or missing device fails fast.
     sink.begin(rate).map_err(|e| fail(sink_code(&e), e))?;
-    let engine = match Engine::load(&cfg.model.bundle, &settings) {
+    let engine = match Engine::load(&cfg.model.bundle, &backend_tract::Tract, &settings) {
         Ok(e) => e,
         Err(e) => {
             sink.abort();
@@ -649,9 +649,7 @@ fn print_info(dir: &Path, m: &engine::Manifest) -> std::io::Result<()> {
         writeln!(o, "graph       {name:<15} {:>9.1} MB  {} inputs, {} outputs", size as f64 / 1e6, g.inputs.len(), g.outputs.len())?;
     }
     let tables = std::fs::metadata(dir.join(&m.tables.file)).map(|md| md.len()).unwrap_or(0);
-    let bytes = if m.model.dtype == "fp16" { 2 } else { 4 };
-    let full_layers = m.talker.cache.iter().filter(|c| matches!(c, engine::manifest::CacheKind::Full)).count() as u64;
-    let kv_per_pos = 2 * full_layers * u64::from(m.talker.kv_heads) * u64::from(m.talker.head_dim) * bytes;
+    let kv_per_pos = model::footprint::kv_bytes_per_position(&m.talker, m.dtype());
     writeln!(o, "tables      {:>9.1} MB (memory-mapped; only the rows a prompt uses become resident)", tables as f64 / 1e6)?;
     writeln!(o, 
         "memory      ~{:.1} MB of graph weights + {:.1} KiB KV cache per talker position",

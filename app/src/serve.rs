@@ -97,13 +97,13 @@ pub(crate) fn run(config: Option<&Path>, args: ServeArgs) -> Result<(), Failure>
     };
     let t0 = Instant::now();
     status(&format!("loading bundle {}", cfg.model.bundle.display()));
-    let manifest = engine::Manifest::load(&cfg.model.bundle)
+    let manifest = engine::read_manifest(&cfg.model.bundle)
         .map_err(|e| fail(EXIT_BUNDLE, anyhow::Error::new(e).context(format!("bundle {}", cfg.model.bundle.display()))))?;
     // The board, as `speak` sees it: thread placement, memory, the calibrated ramp.
     let tuned = crate::tuning::tune(&cfg, &cfg.model.bundle, &manifest).map_err(crate::tune_failure)?;
     tuned.log();
-    engine::set_compute_threads(tuned.threads);
-    let engine = Engine::load(&cfg.model.bundle, &tuned.settings).map_err(|e| {
+    backend_tract::set_compute_threads(tuned.threads);
+    let engine = Engine::load(&cfg.model.bundle, &backend_tract::Tract, &tuned.settings).map_err(|e| {
         let code = engine_code(&e);
         fail(code, anyhow::Error::new(e).context(format!("bundle {}", cfg.model.bundle.display())))
     })?;

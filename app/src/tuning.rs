@@ -14,10 +14,10 @@
 use std::path::{Path, PathBuf};
 
 use board::calibration::{self, Lookup};
-use board::derive::{self, Derived, DoesNotFit, Dtype, ModelFootprint};
+use board::derive::{self, Derived, DoesNotFit};
 use board::probe::{HardwareProfile, ProbeError};
-use engine::manifest::CacheKind;
 use engine::{EngineSettings, Manifest};
+use model::footprint::ModelFootprint;
 
 use crate::config::Config;
 
@@ -78,8 +78,6 @@ pub struct Tuned {
 /// # Errors
 /// The directory cannot be listed.
 pub fn footprint(dir: &Path, m: &Manifest) -> std::io::Result<ModelFootprint> {
-    let dtype = if m.model.dtype == "fp16" { Dtype::Fp16 } else { Dtype::Fp32 };
-    let bytes = dtype.bytes();
     let mut files = 0u64;
     for e in std::fs::read_dir(dir)? {
         let e = e?;
@@ -88,29 +86,7 @@ pub fn footprint(dir: &Path, m: &Manifest) -> std::io::Result<ModelFootprint> {
             files += md.len();
         }
     }
-    let table_bytes = if m.tables.dtype == "fp16" { 2 } else { 4 };
-    let text_rows: u64 = m.tables.text_embedding.shape.iter().product::<u64>() * table_bytes;
-    let per_layer = |s: &engine::manifest::StackInfo| 2 * u64::from(s.kv_heads) * u64::from(s.head_dim) * bytes;
-    let t = &m.talker;
-    let full = t.cache.iter().filter(|c| matches!(c, CacheKind::Full)).count() as u64;
-    let ring: u64 = t
-        .cache
-        .iter()
-        .map(|c| match c {
-            CacheKind::Sliding { window } => u64::from(window.saturating_sub(1)),
-            CacheKind::Full => 0,
-        })
-        .sum();
-    let cp = &m.code_predictor;
-    // the code predictor sees 2 + 14 positions per frame (docs/engine.md)
-    let fixed = ring * per_layer(t) + u64::from(cp.layers) * 16 * per_layer(cp);
-    Ok(ModelFootprint {
-        dtype,
-        weights_bytes: files.saturating_sub(text_rows),
-        kv_bytes_per_position: full * per_layer(t),
-        fixed_cache_bytes: fixed,
-        max_positions: u64::from(t.max_positions),
-    })
+    Ok(ModelFootprint::of(m, files))
 }
 
 /// The bundle's identity for the fingerprint: its manifest text and the sizes of its files.

@@ -25,10 +25,13 @@ use std::path::{Path, PathBuf};
 use serde::{Deserialize, Serialize};
 use sha2::{Digest, Sha256};
 
+use model::PlaybackMetrics;
+
 use crate::probe::HardwareProfile;
 
-/// One codec frame, ms (12.5 Hz models: 1920 samples at 24 kHz).
-pub const FRAME_MS: f64 = 80.0;
+/// One codec frame, ms: the 12 Hz family's 80 ms ([`model::frame::FRAME_SECONDS_12HZ`]); a
+/// calibration is stored per bundle fingerprint, so it is only ever used with that family.
+pub const FRAME_MS: f64 = model::frame::FRAME_SECONDS_12HZ * 1e3;
 /// Version of the file format; other versions are ignored (with a warning).
 pub const FORMAT_VERSION: u32 = 1;
 /// The smallest jitter assumed, ms: a quiet warm-up can measure ~0, a device in use will not.
@@ -160,7 +163,7 @@ pub fn derive_checked_schedule(m: &Measured, steady: usize, left_context: usize,
         for c in t.iter_mut().skip(1) {
             c.0 += m.jitter_ms / 1e3;
         }
-        let pm = playback_start(&t, FRAME_MS / 1e3);
+        let pm = PlaybackMetrics::from_chunks(&t, FRAME_MS / 1e3).playback_start;
         pm > t[0].0 + 1e-9
     };
     while stalls(&s.ramp) && s.first_chunk < s.steady {
@@ -176,18 +179,6 @@ pub fn derive_checked_schedule(m: &Measured, steady: usize, left_context: usize,
         s.lead_ms = s.lead_ms.max((first - 1) as f64 * FRAME_MS);
     }
     s
-}
-
-/// `max_i (t_i − C_i)` of a timeline (`C_i` the audio before chunk `i`), seconds: the earliest
-/// stall-free playback start (engine::metrics has the full set; this crate runs no model).
-pub fn playback_start(chunks: &[(f64, usize)], frame_s: f64) -> f64 {
-    let mut delivered = 0.0;
-    let mut start = f64::MIN;
-    for &(t, n) in chunks {
-        start = start.max(t - delivered);
-        delivered += n as f64 * frame_s;
-    }
-    start
 }
 
 /// Production rate from a chunk timeline of `(arrival s, frames)`: the frames after the first
@@ -515,7 +506,7 @@ mod tests {
             for c in t.iter_mut().skip(1) {
                 c.0 += 0.020;
             }
-            playback_start(&t, 0.08) - t[0].0
+            PlaybackMetrics::from_chunks(&t, 0.08).playback_start - t[0].0
         };
         assert!(late(&formula.ramp) > 0.0);
         let checked = derive_checked_schedule(&m, 25, 72, 300);

@@ -44,52 +44,10 @@ pub fn class_headroom(class: HardwareClass) -> u64 {
     }
 }
 
-/// Precision of the step graphs and caches.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
-#[serde(rename_all = "lowercase")]
-pub enum Dtype {
-    /// 32-bit float, 4 bytes.
-    Fp32,
-    /// 16-bit float, 2 bytes.
-    Fp16,
-}
-
-impl Dtype {
-    /// Bytes per element.
-    pub fn bytes(self) -> u64 {
-        match self {
-            Dtype::Fp32 => 4,
-            Dtype::Fp16 => 2,
-        }
-    }
-
-    /// `fp32` / `fp16`, as in bundle.toml.
-    pub fn as_str(self) -> &'static str {
-        match self {
-            Dtype::Fp32 => "fp32",
-            Dtype::Fp16 => "fp16",
-        }
-    }
-}
-
-/// What the bundle needs, from its manifest and file sizes (the app fills it in; this crate
-/// knows nothing of bundles).
-#[derive(Debug, Clone, PartialEq, Serialize)]
-pub struct ModelFootprint {
-    /// The bundle's dtype.
-    pub dtype: Dtype,
-    /// Bytes that become resident when the bundle loads: the step graphs' weights and the tables
-    /// read whole. The text-embedding table is memory-mapped and only touched rows load, so it
-    /// is not counted.
-    pub weights_bytes: u64,
-    /// Talker KV bytes per position (all full-attention layers, K and V).
-    pub kv_bytes_per_position: u64,
-    /// Caches whose size does not grow with the text: sliding-window rings and the code
-    /// predictor's 16-position caches.
-    pub fixed_cache_bytes: u64,
-    /// The talker's maximum positions (`max_positions` in bundle.toml).
-    pub max_positions: u64,
-}
+// The dtype and the bundle's footprint are model facts (`model::footprint` computes them from
+// the manifest); this crate only budgets them.
+pub use model::Dtype;
+pub use model::footprint::ModelFootprint;
 
 /// The derived settings, with the arithmetic behind them.
 #[derive(Debug, Clone, PartialEq, Serialize)]

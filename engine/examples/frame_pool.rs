@@ -8,11 +8,15 @@
 //! every chunk and frame as the engine does, and prints per chunk / frame the heap allocations
 //! and what the pool keeps: the working set a stage's pool needs (`pool_bytes`).
 
+use backend_tract::Tract;
 use std::alloc::System;
 use std::sync::Arc;
 
 use engine::pool::{FramePool, Pooled};
-use engine::synth::{Bundle, CODEBOOKS, Decoder, Vocoder};
+use engine::decoder::Decoder;
+use engine::vocoder::Vocoder;
+use engine::Bundle;
+use model::CODEBOOKS;
 use engine::{EngineSettings, Request};
 
 #[global_allocator]
@@ -33,7 +37,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         None | Some("--no-pool") => usize::MAX,
         Some(n) => n.parse::<usize>().map_err(|_| usage)? << 20,
     };
-    let b = Arc::new(Bundle::open(std::path::Path::new(&dir))?);
+    let b = Arc::new(Bundle::open(std::path::Path::new(&dir), &Tract)?);
     let m = &b.manifest;
     let spf = m.audio.samples_per_frame as usize;
     let ramp: Vec<usize> = m.vocoder.ramp.iter().map(|&r| r as usize).collect();

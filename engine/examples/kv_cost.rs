@@ -5,22 +5,23 @@
 //! Runs one long sequence of one-position steps (random inputs) and prints, per band of
 //! positions, the median step time, the cache slots attended and the bytes copied per step.
 
+use backend_tract::Tract;
 use std::sync::Arc;
 use std::time::Instant;
 
 use engine::EngineSettings;
-use engine::stack::Stack;
-use engine::synth::Bundle;
+use model::backend::{StackRole, StepSpec};
+use engine::Bundle;
 
 fn main() -> Result<(), Box<dyn std::error::Error>> {
     let mut args = std::env::args().skip(1);
     let dir = args.next().ok_or("usage: kv_cost BUNDLE [STEPS]")?;
     let steps: usize = args.next().map(|s| s.parse()).transpose()?.unwrap_or(1024);
-    let b = Arc::new(Bundle::open(std::path::Path::new(&dir))?);
+    let b = Arc::new(Bundle::open(std::path::Path::new(&dir), &Tract)?);
     let m = &b.manifest;
     let h = m.talker.hidden as usize;
     let cap = EngineSettings::default().kv_capacity.max(steps + 1);
-    let mut st = Stack::new("talker", b.talker.clone(), &m.talker, h, &m.model.dtype, cap, 1, m.attention.mask_fill)?;
+    let mut st = b.graphs.step_session(&StepSpec { role: StackRole::Talker, capacity: cap, max_seq: 1, hidden_in: h })?;
     let x: Vec<f32> = (0..h).map(|i| ((i * 37 % 17) as f32 - 8.0) / 8.0).collect();
     let mut band: Vec<f64> = Vec::new();
     let mut copied = 0usize;
@@ -28,8 +29,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     println!("{:>10} {:>14} {:>8} {:>16} {:>16}", "positions", "median ms/step", "slots", "copied B/step", "regrown B/step");
     for p in 0..steps {
         let t = Instant::now();
-        let out = st.step(&x, 1, None)?;
-        drop(out);
+        st.step(&x, 1, None)?;
         band.push(t.elapsed().as_secs_f64() * 1e3);
         let s = st.last_stats();
         copied += s.bytes_copied;

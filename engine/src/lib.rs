@@ -1,32 +1,28 @@
-//! herald's compute core: the model bundle, step graphs, caches, the decode loop, sampling and
-//! vocoder windowing. Pure compute: this crate never opens a device or reads `/proc`; the
-//! board crate does that and hands plain settings in.
+//! herald's runtime: the decode loop, the vocoder driver, the two-stage pipeline, frame pools and
+//! stage placement, over any inference backend ([`model::backend`]). Pure compute: this crate
+//! never opens a device or reads `/proc`; the board crate does that and hands plain settings in.
+//!
+//! - [`bundle`]: opening a bundle (manifest, tokenizer, tables, the backend's graphs);
+//! - [`decoder`]: the frame loop (talker prefill and step, 15 code-predictor sub-steps, sampling);
+//! - [`vocoder`]: windows of frames through the backend's vocoder;
+//! - [`pipeline`]: the decode and vocoder threads and the [`Engine`] a CLI and a daemon share;
+//! - [`pool`]: per-stage frame pools behind a global allocator; [`placement`]: CPU pinning.
 
-pub mod bench;
-pub mod graph;
-pub mod manifest;
-pub mod metrics;
+pub mod bundle;
+pub mod decoder;
+pub mod error;
 pub mod pipeline;
 pub mod placement;
 pub mod pool;
-pub mod prompt;
-pub mod sampler;
-pub mod sanitize;
-pub mod stack;
-pub mod stats;
-pub mod synth;
+pub mod settings;
 pub mod tables;
+pub mod vocoder;
 
-pub use manifest::{Manifest, ManifestError};
-pub use metrics::PlaybackMetrics;
+pub use bundle::{Bundle, read_manifest, read_prompter};
+pub use error::EngineError;
 pub use pipeline::{Engine, PcmChunk, Report, StageMemory};
-pub use synth::{Bundle, EngineError, EngineSettings, Frame, Request, StopReason};
+pub use settings::{DEFAULT_POOL_BYTES, EngineSettings, Request, StopReason};
 
-/// Use `threads` compute threads for the matrix products of every graph (tract's executor; the
-/// decode and vocoder stages keep their own threads on top). 0 or 1: single-threaded.
-///
-/// Process-wide: call it once, before loading, from the binary.
-pub fn set_compute_threads(threads: usize) {
-    use tract_linalg::multithread::{Executor, set_default_executor};
-    set_default_executor(if threads > 1 { Executor::multithread(threads) } else { Executor::SingleThread });
-}
+// The model types the engine's API speaks in (a request's prompt mode, a bundle's manifest, a
+// report's playback metrics), so a caller of the engine needs no second import path for them.
+pub use model::{Manifest, ManifestError, PlaybackMetrics, manifest, prompt};

@@ -8,21 +8,31 @@
 //! rings; PCM buffers come from a pool allocated when the engine is built and circulate
 //! between the vocoder and the caller, so the steady state allocates nothing in herald's code.
 //! A full queue blocks its producer (backpressure): a slow sink slows the vocoder, which slows
-//! the decoder; nothing grows. Cancelling (the `cancel` flag or an error from the callback)
+//! the decoder; nothing grows. A stage with nothing to do parks; every enqueue and dequeue
+//! unparks the stage on the other side, so hand-offs are immediate and idle stages do not spin
+//! (they look at the cancel flag every [`CANCEL_POLL`]). Cancelling (the `cancel` flag or an error from the callback)
 //! stops both threads within one frame.
 
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Arc, Mutex, MutexGuard};
-use std::thread;
+use std::sync::{Arc, Mutex, MutexGuard, OnceLock};
+use std::thread::{self, Thread};
 use std::time::{Duration, Instant};
 
 use heapless::spsc::Queue;
 
-use crate::metrics::PlaybackMetrics;
+use model::backend::Backend;
+use model::frame::{CODEBOOKS, Frame};
+use model::metrics::PlaybackMetrics;
+use model::schedule::ChunkSchedule;
+use model::stats::{StepStats, median};
+
+use crate::bundle::Bundle;
+use crate::decoder::Decoder;
+use crate::error::EngineError;
 use crate::placement::{StagePlacement, allowed_cpus};
 use crate::pool::{FramePool, Installed, PoolStats};
-use crate::stats::StepStats;
-use crate::synth::{Bundle, ChunkSchedule, Decoder, EngineError, EngineSettings, Frame, Request, StopReason, Vocoder};
+use crate::settings::{EngineSettings, Request, StopReason};
+use crate::vocoder::Vocoder;
 
 /// Frames the decode → vocoder queue holds (heapless capacity N - 1).
 pub const FRAME_QUEUE: usize = 64;
@@ -263,37 +273,69 @@ impl std::fmt::Debug for Engine {
     }
 }
 
-fn wait(d: Duration) {
-    thread::park_timeout(d);
+/// Longest a stage sleeps before it looks at the cancel flag again. Hand-offs do not wait for
+/// it: every enqueue and dequeue unparks the thread on the other side at once; this bound is
+/// only how soon a flag set from outside (a signal handler, another job's caller), which cannot
+/// wake anyone, is seen by a stage that is idle.
+const CANCEL_POLL: Duration = Duration::from_millis(10);
+
+/// Sleep until another stage hands something over (or [`CANCEL_POLL`] passes).
+fn wait() {
+    thread::park_timeout(CANCEL_POLL);
 }
 
-/// Push `item`, waiting while the queue is full (backpressure); gives up when `cancelled()`.
+/// The thread on the other side of a queue, known once it has started: parks and unparks are
+/// how the stages hand over frames, PCM and buffers without polling. Neither setting nor waking
+/// allocates.
+#[derive(Default)]
+struct Peer(OnceLock<Thread>);
+
+impl Peer {
+    /// Record the calling thread as this peer.
+    fn set_current(&self) {
+        let _ = self.0.set(thread::current());
+    }
+
+    /// Wake the peer if it is parked (a no-op before it started).
+    fn wake(&self) {
+        if let Some(t) = self.0.get() {
+            t.unpark();
+        }
+    }
+}
+
+/// Push `item`, waiting while the queue is full (backpressure), and wake `consumer`; gives up
+/// when `cancelled()`.
 fn push<T, const N: usize>(
     tx: &mut heapless::spsc::Producer<'_, T, N>,
     mut item: T,
+    consumer: &Peer,
     cancelled: &dyn Fn() -> bool,
 ) -> Result<(), EngineError> {
     loop {
         match tx.enqueue(item) {
-            Ok(()) => return Ok(()),
+            Ok(()) => {
+                consumer.wake();
+                return Ok(());
+            }
             Err(back) => {
                 item = back;
                 if cancelled() {
                     return Err(EngineError::Cancelled);
                 }
-                wait(Duration::from_millis(1));
+                wait();
             }
         }
     }
 }
 
 impl Engine {
-    /// Open `dir` and build the decoder, vocoder, queues and buffers.
+    /// Open `dir` with `backend` and build the decoder, vocoder, queues and buffers.
     ///
     /// # Errors
     /// Any loading error, naming the file at fault.
-    pub fn load(dir: &std::path::Path, settings: &EngineSettings) -> Result<Self, EngineError> {
-        let bundle = Arc::new(Bundle::open(dir)?);
+    pub fn load(dir: &std::path::Path, backend: &dyn Backend, settings: &EngineSettings) -> Result<Self, EngineError> {
+        let bundle = Arc::new(Bundle::open(dir, backend)?);
         Self::with_bundle(bundle, settings)
     }
 
@@ -325,8 +367,8 @@ impl Engine {
         } else {
             let allowed = allowed_cpus()?;
             (
-                StagePlacement::new("talker", &settings.talker_cpus, &allowed)?,
-                StagePlacement::new("vocoder", &settings.vocoder_cpus, &allowed)?,
+                StagePlacement::new("talker", &settings.talker_cpus, &allowed, &*bundle.graphs)?,
+                StagePlacement::new("vocoder", &settings.vocoder_cpus, &allowed, &*bundle.graphs)?,
             )
         };
         Ok(Engine {
@@ -367,7 +409,7 @@ impl Engine {
                     let mut times = Vec::with_capacity(runs.max(1));
                     let mut medians = Vec::with_capacity(windows.len());
                     for &w in windows {
-                        let window: Vec<Frame> = vec![[0u32; crate::synth::CODEBOOKS]; w];
+                        let window: Vec<Frame> = vec![[0u32; CODEBOOKS]; w];
                         let n = 1;
                         vocoder.decode(&window, n, &mut out)?;
                         times.clear();
@@ -376,13 +418,12 @@ impl Engine {
                             vocoder.decode(&window, n, &mut out)?;
                             times.push(t.elapsed().as_secs_f64());
                         }
-                        times.sort_by(f64::total_cmp);
-                        medians.push(times[times.len() / 2]);
+                        medians.push(median(&mut times));
                     }
                     Ok(medians)
                 })
             });
-            h.join().unwrap_or_else(|_| Err(EngineError::Config("vocoder timing thread panicked".into())))
+            h.join().unwrap_or_else(|_| Err(EngineError::Internal("the vocoder timing thread panicked".into())))
         })
     }
 
@@ -466,7 +507,10 @@ impl Engine {
         let decoder = &mut *decoder;
         let StepStats { talker, predictor, sampling, vocoder: voc_stat, frame_queue_wait, vocoder_wait, .. } = stats;
         let decode_done = AtomicBool::new(false);
-        let me = thread::current();
+        let vocoder_done = AtomicBool::new(false);
+        // who to wake after a hand-off: the caller (delivers PCM), the decode and vocoder threads
+        let (caller, decode_peer, vocoder_peer) = (Peer::default(), Peer::default(), Peer::default());
+        caller.set_current();
         // one entry per chunk; reserved per utterance, not per frame
         let mut report_chunks: Vec<(f64, usize)> = Vec::with_capacity(decoder.frame_cap() / self.ramp[0].max(1) + 8);
         // (units on the heap, heap allocations, blocks served) of each worker
@@ -476,7 +520,8 @@ impl Engine {
             let decoder = &mut *decoder;
             let r_rx = &mut r_rx;
             let stop = &stop;
-            let decode_done = &decode_done;
+            let (decode_done, vocoder_done) = (&decode_done, &vocoder_done);
+            let (caller, decode_peer, vocoder_peer) = (&caller, &decode_peer, &vocoder_peer);
             let cancelled = || cancel.load(Ordering::Relaxed) || stop.load(Ordering::Relaxed);
             // ---- decode thread
             let talker_place = &self.talker_place;
@@ -485,6 +530,7 @@ impl Engine {
             let (decode_mem, vocoder_mem) = (&mut decode_mem, &mut vocoder_mem);
             let dec = thread::Builder::new().name("herald-decode".into()).spawn_scoped(s, move || -> Result<usize, EngineError> {
                 let mut meter = HeapMeter::install(decode_pool);
+                decode_peer.set_current();
                 let mut n = 0;
                 let result = talker_place.run(|| {
                     loop {
@@ -500,7 +546,7 @@ impl Engine {
                             talker.record(tt);
                         }
                         let tw = Instant::now();
-                        push(&mut f_tx, frame, &cancelled)?;
+                        push(&mut f_tx, frame, vocoder_peer, &cancelled)?;
                         frame_queue_wait.record(tw.elapsed());
                         n += 1;
                     }
@@ -511,15 +557,17 @@ impl Engine {
                 if result.is_err() {
                     stop.store(true, Ordering::Relaxed);
                 }
+                vocoder_peer.wake();
                 result
             });
             let dec = match dec {
                 Ok(h) => h,
-                Err(e) => return Err(EngineError::Config(format!("cannot start the decode thread: {e}"))),
+                Err(e) => return Err(EngineError::Internal(format!("cannot start the decode thread: {e}"))),
             };
             // ---- vocoder thread
             let voc = thread::Builder::new().name("herald-vocoder".into()).spawn_scoped(s, move || -> Result<usize, EngineError> {
                 let mut meter = HeapMeter::install(vocoder_pool);
+                vocoder_peer.set_current();
                 let result = vocoder_place.run(|| {
                     let mut done_frames = 0usize;
                     let mut pending = 0usize;
@@ -529,6 +577,7 @@ impl Engine {
                             return Err(EngineError::Cancelled);
                         }
                         let tw = Instant::now();
+                        let had = pending;
                         while let Some(f) = f_rx.dequeue() {
                             // keep at most left_context + max_chunk frames: context then pending
                             if window.len() == window.capacity() {
@@ -540,12 +589,15 @@ impl Engine {
                                 break;
                             }
                         }
+                        if pending > had {
+                            decode_peer.wake(); // room in the frame queue
+                        }
                         let finished = decode_done.load(Ordering::Acquire) && f_rx.len() == 0;
                         let Some(n) = schedule.take(pending, finished) else {
                             if finished {
                                 return Ok(done_frames);
                             }
-                            wait(Duration::from_millis(1));
+                            wait();
                             continue;
                         };
                         vocoder_wait.record(tw.elapsed());
@@ -556,7 +608,7 @@ impl Engine {
                             if cancelled() {
                                 return Err(EngineError::Cancelled);
                             }
-                            wait(Duration::from_millis(1));
+                            wait();
                         };
                         let spf_n = n * spf;
                         let w0 = window.len() - pending;
@@ -567,8 +619,7 @@ impl Engine {
                         r?;
                         meter.trim();
                         pending -= n;
-                        push(&mut p_tx, (buf, spf_n, done_frames, n), &cancelled)?;
-                        me.unpark();
+                        push(&mut p_tx, (buf, spf_n, done_frames, n), caller, &cancelled)?;
                         done_frames += n;
                     }
                 });
@@ -577,8 +628,10 @@ impl Engine {
                 *vocoder_mem = meter.totals();
                 if result.is_err() {
                     stop.store(true, Ordering::Relaxed);
+                    decode_peer.wake();
                 }
-                me.unpark();
+                vocoder_done.store(true, Ordering::Release);
+                caller.wake();
                 result
             });
             let voc = match voc {
@@ -586,7 +639,7 @@ impl Engine {
                 Err(e) => {
                     // the decode thread sees `stop` at its next frame or full queue and ends
                     stop.store(true, Ordering::Relaxed);
-                    return Err(EngineError::Config(format!("cannot start the vocoder thread: {e}")));
+                    return Err(EngineError::Internal(format!("cannot start the vocoder thread: {e}")));
                 }
             };
             // ---- caller: deliver chunks
@@ -602,6 +655,7 @@ impl Engine {
                             log::warn!("audio consumer failed: {e}; cancelling the utterance");
                             callback_error = Some(e);
                             stop.store(true, Ordering::Relaxed);
+                            decode_peer.wake();
                         }
                     }
                     if report_chunks.len() < report_chunks.capacity() {
@@ -610,15 +664,17 @@ impl Engine {
                     delivered += len;
                     index += 1;
                     let _ = r_tx.enqueue(buf);
+                    vocoder_peer.wake(); // a buffer back, room in the PCM queue
                     continue;
                 }
-                if voc.is_finished() && p_rx.len() == 0 {
+                // (is_finished: a vocoder thread that panicked never sets the flag)
+                if (vocoder_done.load(Ordering::Acquire) || voc.is_finished()) && p_rx.len() == 0 {
                     break;
                 }
-                wait(Duration::from_millis(2));
+                wait();
             }
-            let dec_r = dec.join().unwrap_or(Err(EngineError::Config("decode thread panicked".into())));
-            let voc_r = voc.join().unwrap_or(Err(EngineError::Config("vocoder thread panicked".into())));
+            let dec_r = dec.join().unwrap_or(Err(EngineError::Internal("the decode thread panicked".into())));
+            let voc_r = voc.join().unwrap_or(Err(EngineError::Internal("the vocoder thread panicked".into())));
             if callback_error.is_some() || cancel.load(Ordering::Relaxed) {
                 return Err(EngineError::Cancelled);
             }

@@ -7,24 +7,19 @@
 
 use std::sync::Arc;
 
-use tract_linalg::multithread::Executor;
+use model::backend::{LoadedGraphs, PinThread, StageCompute};
+use nix::sched::{CpuSet, sched_getaffinity, sched_setaffinity};
+use nix::unistd::Pid;
 
-use crate::synth::EngineError;
+use crate::error::EngineError;
 
-/// The CPUs this process may run on (`sched_getaffinity(2)`), ascending.
+/// The CPUs this process may run on (`sched_getaffinity(2)` of the calling thread), ascending.
 ///
 /// # Errors
 /// The OS error, as [`EngineError::Config`].
 pub fn allowed_cpus() -> Result<Vec<usize>, EngineError> {
-    // SAFETY: cpu_set_t is plain data; zeroed is a valid empty set.
-    let mut set: libc::cpu_set_t = unsafe { std::mem::zeroed() };
-    // SAFETY: pid 0 is this thread; the size matches the set we pass.
-    let rc = unsafe { libc::sched_getaffinity(0, std::mem::size_of::<libc::cpu_set_t>(), &mut set) };
-    if rc != 0 {
-        return Err(EngineError::Config(format!("sched_getaffinity: {}", std::io::Error::last_os_error())));
-    }
-    // SAFETY: CPU_ISSET only reads the set.
-    Ok((0..libc::CPU_SETSIZE as usize).filter(|&c| unsafe { libc::CPU_ISSET(c, &set) }).collect())
+    let set = sched_getaffinity(Pid::from_raw(0)).map_err(|e| EngineError::Config(format!("sched_getaffinity: {e}")))?;
+    Ok((0..CpuSet::count()).filter(|&c| set.is_set(c).unwrap_or(false)).collect())
 }
 
 /// Pin the calling thread to `cpus` (no-op for an empty list).
@@ -35,39 +30,33 @@ pub fn pin_current_thread(cpus: &[usize]) -> Result<(), EngineError> {
     if cpus.is_empty() {
         return Ok(());
     }
-    // SAFETY: cpu_set_t is plain data; zeroed is a valid empty set.
-    let mut set: libc::cpu_set_t = unsafe { std::mem::zeroed() };
+    let mut set = CpuSet::new();
     for &c in cpus {
-        if c >= libc::CPU_SETSIZE as usize {
-            return Err(EngineError::Config(format!("CPU {c} is beyond CPU_SETSIZE")));
-        }
-        // SAFETY: c < CPU_SETSIZE, checked above.
-        unsafe { libc::CPU_SET(c, &mut set) };
+        set.set(c).map_err(|_| EngineError::Config(format!("CPU {c} is beyond CPU_SETSIZE")))?;
     }
-    // SAFETY: pid 0 is the calling thread; the size matches the set.
-    let rc = unsafe { libc::sched_setaffinity(0, std::mem::size_of::<libc::cpu_set_t>(), &set) };
-    if rc != 0 {
-        return Err(EngineError::Config(format!(
-            "cannot pin a thread to CPUs {cpus:?}: {}",
-            std::io::Error::last_os_error()
-        )));
-    }
-    Ok(())
+    sched_setaffinity(Pid::from_raw(0), &set)
+        .map_err(|e| EngineError::Config(format!("cannot pin a thread to CPUs {cpus:?}: {}", std::io::Error::from(e))))
 }
 
-/// One stage's placement: its CPUs and the tract executor whose threads are pinned to them.
-#[derive(Debug, Clone, Default)]
+/// One stage's placement: its CPUs and the backend's compute threads, pinned to them.
+#[derive(Default)]
 pub(crate) struct StagePlacement {
     pub cpus: Vec<usize>,
-    /// `None`: the process-wide default executor ([`crate::set_compute_threads`]).
-    pub executor: Option<Executor>,
+    /// `None`: the backend's process-wide default compute threads.
+    pub compute: Option<Box<dyn StageCompute>>,
+}
+
+impl std::fmt::Debug for StagePlacement {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("StagePlacement").field("cpus", &self.cpus).field("own_compute", &self.compute.is_some()).finish()
+    }
 }
 
 impl StagePlacement {
-    /// A placement on `cpus` (empty: unpinned, default executor). Checks that every CPU is one
-    /// this process may use, then builds a pool of `cpus.len()` pinned threads (a single CPU:
-    /// single-threaded products on the stage's own thread).
-    pub fn new(stage: &str, cpus: &[usize], allowed: &[usize]) -> Result<Self, EngineError> {
+    /// A placement on `cpus` (empty: unpinned, default compute threads). Checks that every CPU is
+    /// one this process may use, then asks the backend for `cpus.len()` compute threads, each
+    /// pinned to `cpus` as it starts.
+    pub fn new(stage: &str, cpus: &[usize], allowed: &[usize], graphs: &dyn LoadedGraphs) -> Result<Self, EngineError> {
         if cpus.is_empty() {
             return Ok(Self::default());
         }
@@ -76,34 +65,40 @@ impl StagePlacement {
                 "{stage} CPUs {cpus:?}: CPU {bad} is not available to this process (allowed: {allowed:?})"
             )));
         }
-        let executor = if cpus.len() == 1 {
-            Executor::SingleThread
-        } else {
-            let pinned: Arc<[usize]> = cpus.into();
-            let name = format!("herald-{stage}");
-            let pool = rayon::ThreadPoolBuilder::new()
-                .num_threads(cpus.len())
-                .thread_name(move |i| format!("{name}-mm{i}"))
-                .start_handler(move |_| {
-                    if let Err(e) = pin_current_thread(&pinned) {
-                        log::warn!("{e}");
-                    }
-                })
-                .build()
-                .map_err(|e| EngineError::Config(format!("cannot start the {stage} thread pool: {e}")))?;
-            Executor::MultiThread(Arc::new(pool))
-        };
-        Ok(StagePlacement { cpus: cpus.to_vec(), executor: Some(executor) })
+        let pinned: Arc<[usize]> = cpus.into();
+        let pin: PinThread = Arc::new(move || {
+            if let Err(e) = pin_current_thread(&pinned) {
+                log::warn!("{e}");
+            }
+        });
+        let compute = graphs.stage_compute(stage, cpus, pin).map_err(|e| EngineError::Config(e.to_string()))?;
+        Ok(StagePlacement { cpus: cpus.to_vec(), compute: Some(compute) })
     }
 
-    /// Run `f` on the calling thread pinned to this stage's CPUs, with this stage's executor for
-    /// every matrix product inside. Pinning failures are logged, not fatal.
+    /// Run `f` on the calling thread pinned to this stage's CPUs, with this stage's compute
+    /// threads for every matrix product inside. Pinning failures are logged, not fatal.
     pub fn run<R>(&self, f: impl FnOnce() -> R) -> R {
         if let Err(e) = pin_current_thread(&self.cpus) {
             log::warn!("{e}");
         }
-        match &self.executor {
-            Some(ex) => tract_linalg::multithread::multithread_tract_scope(ex.clone(), f),
+        match &self.compute {
+            Some(c) => {
+                let mut f = Some(f);
+                let mut out = None;
+                c.run(&mut || {
+                    if let Some(f) = f.take() {
+                        out = Some(f());
+                    }
+                });
+                if let Some(r) = out {
+                    return r;
+                }
+                // a backend that returned without running the stage: run it here, unthreaded
+                match f.take() {
+                    Some(f) => f(),
+                    None => unreachable!("the stage ran but left no result"),
+                }
+            }
             None => f(),
         }
     }
@@ -132,7 +127,26 @@ mod tests {
 
     #[test]
     fn a_cpu_outside_the_allowed_set_is_refused_by_name() {
-        let err = StagePlacement::new("talker", &[0, 4095], &[0, 1]).unwrap_err().to_string();
+        #[derive(Debug)]
+        struct NoGraphs;
+        impl LoadedGraphs for NoGraphs {
+            fn backend(&self) -> &'static str {
+                "none"
+            }
+            fn step_session(&self, _: &model::backend::StepSpec) -> Result<Box<dyn model::backend::StepSession>, model::backend::StepError> {
+                unreachable!()
+            }
+            fn vocoder_session(&self, _: usize) -> Result<Box<dyn model::backend::VocoderSession>, model::backend::VocoderError> {
+                unreachable!()
+            }
+            fn stage_compute(&self, _: &str, _: &[usize], _: PinThread) -> Result<Box<dyn StageCompute>, model::backend::BackendError> {
+                unreachable!()
+            }
+            fn load_times(&self) -> model::backend::LoadTimes {
+                Default::default()
+            }
+        }
+        let err = StagePlacement::new("talker", &[0, 4095], &[0, 1], &NoGraphs).unwrap_err().to_string();
         assert!(err.contains("CPU 4095") && err.contains("talker"), "{err}");
     }
 }

@@ -10,7 +10,7 @@ use std::path::{Path, PathBuf};
 
 use memmap2::Mmap;
 
-use crate::manifest::{Manifest, TableRef};
+use model::manifest::{Manifest, TableRef};
 
 /// Why the tables cannot be used; names the file and the problem.
 #[derive(Debug, thiserror::Error)]

@@ -11,13 +11,17 @@
 
 mod common;
 
+use backend_tract::Tract;
 use std::alloc::{GlobalAlloc, Layout, System};
 use std::cell::Cell;
 use std::sync::Arc;
 
-use engine::sampler::{Sampler, SplitMix64};
+use model::sampler::{Sampler, SplitMix64};
 use engine::pool::{FramePool, Pooled};
-use engine::synth::{Bundle, ChunkSchedule, DEFAULT_POOL_BYTES, Decoder, Vocoder};
+use engine::decoder::Decoder;
+use engine::vocoder::Vocoder;
+use engine::{Bundle, DEFAULT_POOL_BYTES};
+use model::ChunkSchedule;
 use engine::tables::Embedding;
 use engine::{Engine, EngineSettings, Request};
 use std::sync::atomic::AtomicBool;
@@ -54,7 +58,7 @@ fn count<R>(f: impl FnOnce() -> R) -> (R, u64) {
 
 #[test]
 fn herald_parts_allocate_nothing_per_frame() {
-    let b = Arc::new(Bundle::open(&common::bundle("tiny-0.6b")).unwrap());
+    let b = Arc::new(Bundle::open(&common::bundle("tiny-0.6b"), &Tract).unwrap());
     let m = &b.manifest;
     let mut sampler = Sampler::from_manifest(m).unwrap();
     let mut rng = SplitMix64::new(3);
@@ -81,7 +85,7 @@ fn herald_parts_allocate_nothing_per_frame() {
 
 #[test]
 fn whole_frames_stay_off_the_heap_after_the_first() {
-    let b = Arc::new(Bundle::open(&common::bundle("tiny-hybrid")).unwrap());
+    let b = Arc::new(Bundle::open(&common::bundle("tiny-hybrid"), &Tract).unwrap());
     let mut dec = Decoder::new(b.clone(), &EngineSettings::default()).unwrap();
     let pool = FramePool::new(DEFAULT_POOL_BYTES);
     // the request's prefill runs on the caller's thread before the decode thread starts
@@ -147,7 +151,7 @@ fn whole_frames_stay_off_the_heap_after_the_first() {
 #[test]
 fn the_pipeline_reports_its_threads_off_the_heap() {
     let settings = EngineSettings::default();
-    let engine = Engine::load(&common::bundle("tiny-0.6b"), &settings).unwrap();
+    let engine = Engine::load(&common::bundle("tiny-0.6b"), &Tract, &settings).unwrap();
     let cancel = AtomicBool::new(false);
     let req = Request { max_frames: Some(60), force_eos_at: Some(60), ..Request::new("Frames, chunks and pools.") };
     let first = engine.synthesize(&req, &cancel, |_| Ok(())).unwrap();

@@ -6,16 +6,18 @@
 
 mod common;
 
+use backend_tract::Tract;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 
-use engine::prompt::PromptError;
-use engine::synth::{self, Bundle, Decoder};
+use model::prompt::PromptError;
+use engine::decoder::{self as synth, Decoder};
+use engine::Bundle;
 use engine::{Engine, EngineError, EngineSettings, Request, StopReason};
 
 fn engine(preset: &str) -> Engine {
-    Engine::load(&common::bundle(preset), &EngineSettings::default()).unwrap()
+    Engine::load(&common::bundle(preset), &Tract, &EngineSettings::default()).unwrap()
 }
 
 fn say(e: &Engine, req: &Request) -> Result<(usize, engine::Report), EngineError> {
@@ -104,7 +106,7 @@ fn forced_eos_and_the_frame_cap() {
 #[test]
 fn kv_caches_copy_only_the_new_entries() {
     for preset in common::PRESETS {
-        let b = Arc::new(Bundle::open(&common::bundle(preset)).unwrap());
+        let b = Arc::new(Bundle::open(&common::bundle(preset), &Tract).unwrap());
         let m = &b.manifest;
         let mut dec = Decoder::new(b.clone(), &EngineSettings::default()).unwrap();
         dec.start(&capped("Counting the bytes we copy per step.", 150)).unwrap();
@@ -150,14 +152,14 @@ fn broken_bundles_are_refused_with_the_file_named() {
         let data = std::fs::read(&p).unwrap();
         std::fs::write(&p, &data[..data.len() / 3]).unwrap();
     });
-    let err = Bundle::open(&dir).unwrap_err();
+    let err = Bundle::open(&dir, &Tract).unwrap_err();
     assert!(matches!(err, EngineError::Graph(_)), "{err:?}");
     assert!(err.to_string().contains("code_predictor.onnx"), "{err}");
     // a graph whose declared IO differs from the manifest (talker graph in the predictor's place)
     let dir = broken_copy("swapped-onnx", |d| {
         std::fs::copy(d.join("talker.onnx"), d.join("code_predictor.onnx")).unwrap();
     });
-    let err = Bundle::open(&dir).unwrap_err();
+    let err = Bundle::open(&dir, &Tract).unwrap_err();
     assert!(err.to_string().contains("code_predictor.onnx") && err.to_string().contains("bundle.toml declares"), "{err}");
     // a manifest that declares another shape than the ONNX file
     let dir = broken_copy("shape-mismatch", |d| {
@@ -166,7 +168,7 @@ fn broken_bundles_are_refused_with_the_file_named() {
         let t = t.replacen("name = \"cos\"\ndtype = \"float32\"\nshape = [\n    1,\n    \"seq\",\n    8,", "name = \"cos\"\ndtype = \"float32\"\nshape = [\n    1,\n    \"seq\",\n    9,", 1);
         std::fs::write(&p, t).unwrap();
     });
-    let err = Bundle::open(&dir).unwrap_err();
+    let err = Bundle::open(&dir, &Tract).unwrap_err();
     assert!(err.to_string().contains("input cos has shape"), "{err}");
     // a sliding window that contradicts the graph's ring size is refused before anything is sized
     let dir = broken_copy("window-mismatch", |d| {
@@ -174,7 +176,7 @@ fn broken_bundles_are_refused_with_the_file_named() {
         let t = std::fs::read_to_string(&p).unwrap().replace("{ kind = \"full\" },\n]\n\n[code_predictor]", "{ kind = \"sliding\", window = 20000000 },\n]\n\n[code_predictor]");
         std::fs::write(&p, t).unwrap();
     });
-    let err = Bundle::open(&dir).unwrap_err();
+    let err = Bundle::open(&dir, &Tract).unwrap_err();
     assert!(matches!(err, EngineError::Bundle(_)), "{err:?}");
     assert!(err.to_string().contains("talker.cache[1]"), "{err}");
     // sampling defaults that cannot work are refused by name
@@ -183,14 +185,14 @@ fn broken_bundles_are_refused_with_the_file_named() {
         let t = std::fs::read_to_string(&p).unwrap().replacen("temperature = 0.9", "temperature = -1.0", 1);
         std::fs::write(&p, t).unwrap();
     });
-    let err = Bundle::open(&dir).unwrap_err();
+    let err = Bundle::open(&dir, &Tract).unwrap_err();
     assert!(err.to_string().contains("sampling.talker.temperature = -1"), "{err}");
     // a missing table file
     let dir = broken_copy("no-tables", |d| std::fs::remove_file(d.join("tables.safetensors")).unwrap());
-    let err = Bundle::open(&dir).unwrap_err();
+    let err = Bundle::open(&dir, &Tract).unwrap_err();
     assert!(err.to_string().contains("tables.safetensors"), "{err}");
     // the original still loads and speaks
-    let b = Arc::new(Bundle::open(&common::bundle("tiny-0.6b")).unwrap());
+    let b = Arc::new(Bundle::open(&common::bundle("tiny-0.6b"), &Tract).unwrap());
     let mut dec = Decoder::new(b, &EngineSettings::default()).unwrap();
     assert_eq!(synth::generate_frames(&mut dec, &capped("fine", 2)).unwrap().0.len(), 2);
 }

@@ -7,13 +7,13 @@ mod common;
 
 use std::path::Path;
 
-use engine::manifest::{CacheKind, Dim, Manifest, ManifestError};
+use model::manifest::{CacheKind, Dim, Manifest, ManifestError};
 
 #[test]
 fn reads_every_tiny_bundle() {
     for preset in common::PRESETS {
         let dir = common::bundle(preset);
-        let m = Manifest::load(&dir).unwrap_or_else(|e| panic!("{preset}: {e}"));
+        let m = engine::read_manifest(&dir).unwrap_or_else(|e| panic!("{preset}: {e}"));
         assert_eq!(m.audio.samples_per_frame, 1920);
         assert_eq!(m.audio.sample_rate, 24000);
         assert!((m.frame_rate() - 12.5).abs() < 1e-12);
@@ -73,9 +73,9 @@ fn rejects_a_missing_file() {
     let _ = std::fs::remove_dir_all(&dir);
     std::fs::create_dir_all(&dir).unwrap();
     std::fs::copy(src.join("bundle.toml"), dir.join("bundle.toml")).unwrap();
-    let err = Manifest::load(&dir).unwrap_err();
+    let err = engine::read_manifest(&dir).unwrap_err();
     assert!(err.to_string().contains("which is not in the bundle"), "{err}");
-    let err = Manifest::load(&dir.join("nope")).unwrap_err();
+    let err = engine::read_manifest(&dir.join("nope")).unwrap_err();
     assert!(matches!(err, ManifestError::Io { .. }), "{err}");
 }
 

@@ -7,14 +7,18 @@
 
 mod common;
 
+use backend_tract::Tract;
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::sync::Arc;
 use std::sync::atomic::AtomicBool;
 
-use engine::prompt::PromptMode;
-use engine::synth::{self, Bundle, ChunkSchedule, Decoder, Vocoder};
+use model::prompt::PromptMode;
+use engine::decoder::{self as synth, Decoder};
+use engine::vocoder::{Vocoder, vocode_all};
+use engine::Bundle;
+use model::ChunkSchedule;
 use engine::{Engine, EngineSettings, Request};
 
 /// Minimal .npy reader for the C-ordered little-endian arrays the reference writes.
@@ -147,7 +151,7 @@ fn codes_and_pcm_match_the_reference() {
     let mut bundles: HashMap<&str, Arc<Bundle>> = HashMap::new();
     let mut worst = 0f32;
     for c in &cases {
-        let b = bundles.entry(c.preset).or_insert_with(|| Arc::new(Bundle::open(&common::bundle(c.preset)).unwrap())).clone();
+        let b = bundles.entry(c.preset).or_insert_with(|| Arc::new(Bundle::open(&common::bundle(c.preset), &Tract).unwrap())).clone();
         let meta: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(out.join(format!("{}.json", c.id))).unwrap()).unwrap();
         assert!(meta.get("error").is_none(), "{}: reference rejected the case: {meta}", c.id);
         let (shape, want) = npy_i64(&out.join(format!("{}.codes.npy", c.id)));
@@ -164,7 +168,7 @@ fn codes_and_pcm_match_the_reference() {
         let ctx = c.left_context.unwrap_or(b.manifest.vocoder.left_context_frames as usize);
         let mut sched = ChunkSchedule::new(&ramp).unwrap();
         let mut voc = Vocoder::new(&b, ctx, sched.max_chunk()).unwrap();
-        let pcm = synth::vocode_all(&mut voc, &frames, &mut sched).unwrap();
+        let pcm = vocode_all(&mut voc, &frames, &mut sched).unwrap();
         let ref_pcm = npy_f32(&out.join(format!("{}.wav.npy", c.id)));
         assert_eq!(pcm.len(), ref_pcm.len(), "{}: sample count", c.id);
         assert_eq!(pcm.len(), frames.len() * 1920);
@@ -178,7 +182,7 @@ fn codes_and_pcm_match_the_reference() {
 #[test]
 fn threaded_pipeline_equals_the_synchronous_path() {
     for preset in common::PRESETS {
-        let b = Arc::new(Bundle::open(&common::bundle(preset)).unwrap());
+        let b = Arc::new(Bundle::open(&common::bundle(preset), &Tract).unwrap());
         let engine = Engine::with_bundle(b.clone(), &EngineSettings::default()).unwrap();
         for (text, seed) in [("One utterance after another.", None), ("二つ目の発話です。", Some(7u64))] {
             let req = Request { seed, max_frames: Some(37), ..Request::new(text) };
@@ -200,7 +204,7 @@ fn threaded_pipeline_equals_the_synchronous_path() {
             let (frames, _) = synth::generate_frames(&mut dec, &req).unwrap();
             let mut sched = ChunkSchedule::new(&[2, 4, 8, 16, 25]).unwrap();
             let mut voc = Vocoder::new(&b, 72, 25).unwrap();
-            let want = synth::vocode_all(&mut voc, &frames, &mut sched).unwrap();
+            let want = vocode_all(&mut voc, &frames, &mut sched).unwrap();
             assert_eq!(got, want, "{preset}: threaded PCM differs from the synchronous path");
             assert!(rep.stats.talker.count() >= 36 && rep.stats.vocoder.count() == 5);
         }

@@ -7,6 +7,7 @@
 
 mod common;
 
+use backend_tract::Tract;
 use std::collections::BTreeMap;
 use std::sync::Mutex;
 use std::sync::atomic::AtomicBool;
@@ -32,7 +33,7 @@ static ONE_AT_A_TIME: Mutex<()> = Mutex::new(());
 
 fn run(settings: &EngineSettings, inspect: bool) -> (Vec<f32>, engine::Report, BTreeMap<String, Vec<String>>) {
     let _one = ONE_AT_A_TIME.lock().unwrap_or_else(|p| p.into_inner());
-    let e = Engine::load(&common::bundle("tiny-0.6b"), settings).unwrap();
+    let e = Engine::load(&common::bundle("tiny-0.6b"), &Tract, settings).unwrap();
     // long enough that the decode thread is still running (blocked on the full frame queue)
     // when the first chunk reaches us
     let req = Request { seed: Some(5), max_frames: Some(150), ..Request::new("Pinned threads speak the same words.") };
@@ -80,7 +81,7 @@ fn stages_run_on_their_cpus_and_the_audio_is_unchanged() {
 #[test]
 fn unavailable_cpus_are_refused_at_load() {
     let settings = EngineSettings { talker_cpus: vec![1023], vocoder_cpus: vec![], ..EngineSettings::default() };
-    let err = Engine::load(&common::bundle("tiny-0.6b"), &settings).unwrap_err().to_string();
+    let err = Engine::load(&common::bundle("tiny-0.6b"), &Tract, &settings).unwrap_err().to_string();
     assert!(err.contains("CPU 1023") && err.contains("not available"), "{err}");
 }
 
@@ -105,7 +106,7 @@ fn report_metrics_follow_the_chunk_timeline() {
 #[test]
 fn vocoder_cost_is_measured_per_chunk_size() {
     let _one = ONE_AT_A_TIME.lock().unwrap_or_else(|p| p.into_inner());
-    let e = Engine::load(&common::bundle("tiny-0.6b"), &EngineSettings::default()).unwrap();
+    let e = Engine::load(&common::bundle("tiny-0.6b"), &Tract, &EngineSettings::default()).unwrap();
     let costs = e.vocoder_cost(&[1, 97], 3).unwrap();
     assert_eq!(costs.len(), 2);
     assert!(costs.iter().all(|&c| c > 0.0), "{costs:?}");

@@ -12,8 +12,7 @@ use std::io::Write;
 use std::path::PathBuf;
 use std::process::{Command, Stdio};
 
-use engine::Manifest;
-use engine::prompt::{MAX_TEXT_CHARS, PromptError, PromptLayout, PromptMode, PromptRow, Prompter, frame_cap};
+use model::prompt::{MAX_TEXT_CHARS, PromptError, PromptLayout, PromptMode, PromptRow, frame_cap};
 
 /// The project venv's python; a missing venv is a test failure with a clear message.
 fn python() -> PathBuf {
@@ -170,8 +169,8 @@ fn corpus() -> Vec<String> {
 #[test]
 fn layouts_match_the_reference() {
     let bundle = common::bundle("tiny-0.6b");
-    let manifest = Manifest::load(&bundle).unwrap();
-    let prompter = Prompter::new(&bundle, &manifest).unwrap();
+    let manifest = engine::read_manifest(&bundle).unwrap();
+    let prompter = engine::read_prompter(&bundle, &manifest).unwrap();
 
     let mut requests = Vec::new();
     for text in corpus() {
@@ -242,8 +241,8 @@ fn layouts_match_the_reference() {
 #[test]
 fn row_counts_follow_the_documented_formula() {
     let bundle = common::bundle("tiny-0.6b");
-    let manifest = Manifest::load(&bundle).unwrap();
-    let prompter = Prompter::new(&bundle, &manifest).unwrap();
+    let manifest = engine::read_manifest(&bundle).unwrap();
+    let prompter = engine::read_prompter(&bundle, &manifest).unwrap();
     // English + speaker, streaming: 3 + 6 + 1 = 10 (reference docstring example).
     let l = prompter.layout("Hello.", Some("english"), Some("serena"), PromptMode::Streaming).unwrap();
     assert_eq!(l.rows.len(), 10);
@@ -263,8 +262,8 @@ fn row_counts_follow_the_documented_formula() {
 #[test]
 fn errors_name_what_is_wrong() {
     let bundle = common::bundle("tiny-0.6b");
-    let manifest = Manifest::load(&bundle).unwrap();
-    let prompter = Prompter::new(&bundle, &manifest).unwrap();
+    let manifest = engine::read_manifest(&bundle).unwrap();
+    let prompter = engine::read_prompter(&bundle, &manifest).unwrap();
     let m = PromptMode::Streaming;
 
     let e = prompter.layout("Hi.", Some("Klingon"), None, m).unwrap_err().to_string();
@@ -285,14 +284,14 @@ fn errors_name_what_is_wrong() {
     let missing = bundle.join("no-such-tokenizer.json");
     let mut bad = manifest.clone();
     bad.tokenizer.file = "no-such-tokenizer.json".into();
-    let e = Prompter::new(&bundle, &bad).unwrap_err();
+    let e = engine::read_prompter(&bundle, &bad).unwrap_err();
     assert!(matches!(e, PromptError::TokenizerLoad { .. }), "{e:?}");
     assert!(e.to_string().contains(&missing.display().to_string()), "{e}");
 
     let dir = std::env::temp_dir().join(format!("herald-prompt-parity-{}", std::process::id()));
     std::fs::create_dir_all(&dir).unwrap();
     std::fs::write(dir.join("tokenizer.json"), "{ not json").unwrap();
-    let e = Prompter::new(&dir, &manifest).unwrap_err();
+    let e = engine::read_prompter(&dir, &manifest).unwrap_err();
     assert!(e.to_string().contains("tokenizer.json"), "{e}");
     std::fs::remove_dir_all(&dir).unwrap();
 }
@@ -301,8 +300,8 @@ fn errors_name_what_is_wrong() {
 fn every_tiny_bundle_loads() {
     for preset in common::PRESETS {
         let bundle = common::bundle(preset);
-        let manifest = Manifest::load(&bundle).unwrap();
-        let p = Prompter::new(&bundle, &manifest).unwrap();
+        let manifest = engine::read_manifest(&bundle).unwrap();
+        let p = engine::read_prompter(&bundle, &manifest).unwrap();
         assert!(p.languages().any(|l| l == "english"));
         assert!(p.speakers().any(|s| s == "serena"));
         assert!(!p.tokenize("Hello.").unwrap().is_empty());

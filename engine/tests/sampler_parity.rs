@@ -14,7 +14,7 @@ use std::collections::BTreeMap;
 use std::path::PathBuf;
 use std::process::Command;
 
-use engine::sampler::{PredictorParams, Sampler, SplitMix64, TalkerParams};
+use model::sampler::{PredictorParams, Sampler, SplitMix64, TalkerParams};
 
 const TALKER_VOCAB: u32 = 3072;
 const PREDICTOR_VOCAB: u32 = 2048;

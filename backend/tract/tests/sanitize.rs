@@ -16,7 +16,7 @@ use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::sync::OnceLock;
 
-use engine::sanitize::{SanitizeError, SanitizeReport, sanitize_file};
+use backend_tract::sanitize::{SanitizeError, SanitizeReport, sanitize_file};
 use prost::Message;
 use serde_json::Value;
 use tract_onnx::pb;
@@ -25,10 +25,8 @@ use tract_onnx::prelude::*;
 const TOLERANCE: f32 = 1e-5;
 
 fn repo_root() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR"))
-        .parent()
-        .expect("workspace root")
-        .to_path_buf()
+    // backend/tract -> the workspace root
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("../..")
 }
 
 fn tmp_root() -> PathBuf {

@@ -5,7 +5,7 @@
 //! dims), then typed, decluttered and optimized by tract into a runnable plan. Plans are shared
 //! (`Arc`) and reused across utterances; each thread spawns its own state from them.
 
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::sync::Arc;
 use std::time::Instant;
 
@@ -13,42 +13,12 @@ use tract_onnx::pb;
 use tract_onnx::pb::tensor_shape_proto::dimension::Value as PbDim;
 use tract_onnx::prelude::*;
 
-use crate::manifest::{Dim, GraphInfo, TensorSpec};
-
-/// Why a graph cannot be used. Names the file and the problem.
-#[derive(Debug, thiserror::Error)]
-pub enum GraphError {
-    /// The ONNX file is missing, unreadable or not an ONNX protobuf (e.g. truncated).
-    #[error("{path}: cannot load: {message}")]
-    Load {
-        /// The ONNX file.
-        path: PathBuf,
-        /// What tract or the protobuf decoder reported.
-        message: String,
-    },
-    /// The graph's inputs or outputs differ from what bundle.toml declares.
-    #[error("{path}: {message}")]
-    Mismatch {
-        /// The ONNX file.
-        path: PathBuf,
-        /// Which input/output differs and how.
-        message: String,
-    },
-    /// tract could not type or optimize the graph.
-    #[error("{path}: tract cannot run this graph: {message}")]
-    Tract {
-        /// The ONNX file.
-        path: PathBuf,
-        /// tract's error chain.
-        message: String,
-    },
-}
+use model::backend::BackendError as GraphError;
+use model::manifest::{Dim, GraphInfo, TensorSpec};
 
 /// A loaded, optimized graph.
 #[derive(Debug, Clone)]
-pub struct Graph {
-    /// Graph name (key in bundle.toml `[graphs]`).
-    pub name: String,
+pub(crate) struct Graph {
     /// The optimized plan, shared by all states.
     pub plan: Arc<TypedRunnableModel>,
     /// Input names in plan order.
@@ -60,11 +30,6 @@ pub struct Graph {
 }
 
 impl Graph {
-    /// Index of input `name` in the plan's input order.
-    pub fn input(&self, name: &str) -> Option<usize> {
-        self.inputs.iter().position(|n| n == name)
-    }
-
     /// Index of output `name` in the plan's output order.
     pub fn output(&self, name: &str) -> Option<usize> {
         self.outputs.iter().position(|n| n == name)
@@ -121,8 +86,8 @@ fn check_io(path: &Path, kind: &str, got: &[&pb::ValueInfoProto], want: &[Tensor
 ///
 /// # Errors
 /// [`GraphError::Load`] for a missing or undecodable file, [`GraphError::Mismatch`] when the
-/// graph's IO differs from `info`, [`GraphError::Tract`] when tract cannot optimize it.
-pub fn load(dir: &Path, name: &str, info: &GraphInfo) -> Result<Graph, GraphError> {
+/// graph's IO differs from `info`, [`GraphError::Runtime`] when tract cannot optimize it.
+pub(crate) fn load(dir: &Path, name: &str, info: &GraphInfo) -> Result<Graph, GraphError> {
     let t0 = Instant::now();
     let path = dir.join(&info.file);
     let onnx = tract_onnx::onnx();
@@ -144,14 +109,14 @@ pub fn load(dir: &Path, name: &str, info: &GraphInfo) -> Result<Graph, GraphErro
     check_io(&path, "output", &outputs, &info.outputs)?;
     let input_names = inputs.iter().map(|v| v.name.clone()).collect();
     let output_names = outputs.iter().map(|v| v.name.clone()).collect();
-    let tract_err = |e: TractError| GraphError::Tract { path: path.clone(), message: format!("{e:#}") };
+    let tract_err = |e: TractError| GraphError::Runtime { path: path.clone(), backend: "tract", message: format!("{e:#}") };
     let dir_str = dir.to_str();
     let parsed = onnx.parse(&proto, dir_str).map_err(tract_err)?;
     if !parsed.unresolved_inputs.is_empty() {
-        return Err(GraphError::Tract { path: path.clone(), message: format!("unresolved inputs {:?}", parsed.unresolved_inputs) });
+        return Err(GraphError::Runtime { path: path.clone(), backend: "tract", message: format!("unresolved inputs {:?}", parsed.unresolved_inputs) });
     }
     let plan = parsed.model.into_optimized().map_err(tract_err)?.into_runnable().map_err(tract_err)?;
     let load_seconds = t0.elapsed().as_secs_f64();
     log::debug!("{name}: loaded {} in {:.2} s", path.display(), load_seconds);
-    Ok(Graph { name: name.to_owned(), plan, inputs: input_names, outputs: output_names, load_seconds })
+    Ok(Graph { plan, inputs: input_names, outputs: output_names, load_seconds })
 }

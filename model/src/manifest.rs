@@ -12,6 +12,8 @@ use std::path::{Component, Path, PathBuf};
 
 use serde::Deserialize;
 
+use crate::dtype::Dtype;
+
 /// The only manifest format this build reads.
 pub const FORMAT_VERSION: u32 = 1;
 /// The model family this build runs.
@@ -363,29 +365,12 @@ pub struct Manifest {
 }
 
 impl Manifest {
-    /// Parse and validate `DIR/bundle.toml`, checking that every file it names exists inside
-    /// `DIR`.
-    ///
-    /// # Errors
-    /// [`ManifestError::Io`] when the file cannot be read, [`ManifestError::Parse`] for TOML or
-    /// schema errors, [`ManifestError::Invalid`] for inconsistent or unsupported content.
-    pub fn load(dir: &Path) -> Result<Self, ManifestError> {
-        let path = dir.join("bundle.toml");
-        let text = std::fs::read_to_string(&path).map_err(|source| ManifestError::Io { path: path.clone(), source })?;
-        let m = Self::parse(&text, &path)?;
-        for file in m.files() {
-            let p = dir.join(file);
-            if !p.is_file() {
-                return Err(ManifestError::Invalid { path, message: format!("names {file}, which is not in the bundle") });
-            }
-        }
-        Ok(m)
-    }
-
     /// Parse and validate manifest text; `path` is only used in messages.
     ///
     /// # Errors
-    /// As [`Manifest::load`], without the file checks.
+    /// [`ManifestError::Parse`] for TOML or schema errors, [`ManifestError::Invalid`] for
+    /// inconsistent or unsupported content. Reading the file and checking that the files it
+    /// names exist is the engine's (`engine::bundle::read_manifest`).
     pub fn parse(text: &str, path: &Path) -> Result<Self, ManifestError> {
         let m: Manifest = toml::from_str(text).map_err(|e| {
             // one line: "line N: message" (toml's own rendering quotes the source over several lines)
@@ -407,6 +392,21 @@ impl Manifest {
         v
     }
 
+    /// The dtype of weights and caches (`model.dtype`, validated at parse time).
+    pub fn dtype(&self) -> Dtype {
+        self.model.dtype.parse().unwrap_or(Dtype::Fp32)
+    }
+
+    /// The dtype of the host tables (`tables.dtype`: `float32` or `float16`).
+    pub fn tables_dtype(&self) -> Dtype {
+        if self.tables.dtype == "float16" { Dtype::Fp16 } else { Dtype::Fp32 }
+    }
+
+    /// Seconds of one codec frame (0.080 for the 12 Hz family).
+    pub fn frame_seconds(&self) -> f64 {
+        crate::frame::frame_seconds(self.audio.samples_per_frame, self.audio.sample_rate)
+    }
+
     /// Frames per second of the codec (12.5 for the 12 Hz family).
     pub fn frame_rate(&self) -> f64 {
         f64::from(self.audio.sample_rate) / f64::from(self.audio.samples_per_frame)
@@ -422,7 +422,7 @@ impl Manifest {
         if self.model.family != FAMILY {
             return Err(format!("model.family {:?} is not {FAMILY:?}", self.model.family));
         }
-        if !matches!(self.model.dtype.as_str(), "fp32" | "fp16") {
+        if self.model.dtype.parse::<Dtype>().is_err() {
             return Err(format!("model.dtype {:?} must be \"fp32\" or \"fp16\"", self.model.dtype));
         }
         let a = &self.audio;

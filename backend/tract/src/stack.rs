@@ -10,86 +10,29 @@
 //! prefill). After a step the new entries `k_new_i`/`v_new_i` `[1, S, KV, D]` are validated for
 //! every layer (shape, dtype, finiteness) before any slot is written, then copied into their
 //! slots in place: per step the host copies exactly the new entries, plus, on the rare step that
-//! grows a full cache, the filled part once ([`StepStats`]).
+//! grows a full cache, the filled part once ([`KvStats`]).
 
 use std::sync::Arc;
 
+use model::backend::{KvStats, StepError, StepOutput, StepSession};
+use model::kv::{Ring, Rope, fill_full_masks, slots_for};
+use model::manifest::{CacheKind, StackInfo};
+use model::Dtype;
 use tract_onnx::prelude::*;
 
 use crate::graph::Graph;
-use crate::manifest::{CacheKind, StackInfo};
 
-/// Why a step could not run. The cache is unchanged when a step fails.
-#[derive(Debug, thiserror::Error)]
-pub enum StepError {
-    /// The step would start at another position than the cache expects.
-    #[error("{stack}: step at position {got}, the cache is at {expected} (stale or repeated step)")]
-    Stale {
-        /// talker / code_predictor.
-        stack: String,
-        /// Position the caller asked for.
-        got: usize,
-        /// Position the cache is at.
-        expected: usize,
-    },
-    /// The sequence would exceed the cache capacity.
-    #[error("{stack}: {needed} positions exceed the KV cache capacity of {capacity}")]
-    Capacity {
-        /// talker / code_predictor.
-        stack: String,
-        /// Positions the step needs.
-        needed: usize,
-        /// Configured capacity.
-        capacity: usize,
-    },
-    /// The step's inputs have the wrong size.
-    #[error("{stack}: {message}")]
-    BadInput {
-        /// talker / code_predictor.
-        stack: String,
-        /// What is wrong.
-        message: String,
-    },
-    /// An output failed validation; nothing was written to the cache.
-    #[error("{stack}: output {name} {message}; cache left unchanged")]
-    BadOutput {
-        /// talker / code_predictor.
-        stack: String,
-        /// Output name.
-        name: String,
-        /// What is wrong with it.
-        message: String,
-    },
-    /// tract failed to run the graph.
-    #[error("{stack}: tract: {message}")]
-    Tract {
-        /// talker / code_predictor.
-        stack: String,
-        /// tract's error chain.
-        message: String,
-    },
-}
+/// The backend's name in messages.
+const TRACT: &str = "tract";
 
-/// Smallest number of slots a `full` cache is allocated with.
-pub const MIN_SLOTS: usize = 64;
-
-/// Counters of the last step (for tests and stats).
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
-pub struct StepStats {
-    /// Bytes of new entries the host copied into the KV caches.
-    pub bytes_copied: usize,
-    /// Bytes copied to move filled entries into a grown buffer (0 unless the step grew a cache).
-    pub bytes_regrown: usize,
-    /// Positions in the step.
-    pub positions: usize,
-    /// Slots of the full caches during the step (≥ positions held + positions of the step).
-    pub slots: usize,
+fn runtime(stack: &str, message: String) -> StepError {
+    StepError::Runtime { stack: stack.to_owned(), backend: TRACT, message }
 }
 
 #[derive(Debug)]
 struct LayerCache {
-    /// `None`: full; `Some(w)`: sliding with window w (ring of w - 1 slots).
-    window: Option<usize>,
+    /// Sliding layer (a ring of window - 1 slots) rather than full.
+    sliding: bool,
     k: Arc<Tensor>,
     v: Arc<Tensor>,
 }
@@ -112,7 +55,6 @@ enum Feed {
 /// A step graph plus its caches and input buffers: one sequence at a time.
 pub struct Stack {
     name: String,
-    graph: Graph,
     state: TypedSimpleState,
     feeds: Vec<Feed>,
     out_logits: usize,
@@ -126,11 +68,10 @@ pub struct Stack {
     hidden_in: usize,
     capacity: usize,
     max_seq: usize,
-    window: Option<usize>,
-    /// Position held by each ring slot (-1: never written); shared by all sliding layers.
-    slot_pos: Vec<i64>,
+    /// The ring of the sliding layers (one window for all of them), if any.
+    ring: Option<Ring>,
     next_pos: usize,
-    inv_freq: Vec<f32>,
+    rope: Rope,
     mask_fill: f32,
     x: Arc<Tensor>,
     cos: Arc<Tensor>,
@@ -145,7 +86,11 @@ pub struct Stack {
     /// reallocating at every switch.
     spare: [Arc<Tensor>; 7],
     head: Arc<Tensor>,
-    last: StepStats,
+    last: KvStats,
+    /// The last step's logits of its last position, `[V]`, copied out of tract's outputs.
+    logits: Vec<f32>,
+    /// The last step's hidden state of its last position, `[H]` (empty without a `hidden` output).
+    hidden: Vec<f32>,
 }
 
 impl std::fmt::Debug for Stack {
@@ -156,7 +101,7 @@ impl std::fmt::Debug for Stack {
 
 /// `tensor` must be uniquely owned between steps; tract has dropped its references by then.
 fn unique<'a>(name: &str, t: &'a mut Arc<Tensor>) -> Result<&'a mut Tensor, StepError> {
-    Arc::get_mut(t).ok_or_else(|| StepError::Tract { stack: name.to_owned(), message: "a buffer is still shared after the step".into() })
+    Arc::get_mut(t).ok_or_else(|| runtime(name, "a buffer is still shared after the step".into()))
 }
 
 /// A tensor's elements as a slice of `D` (its logical length, not its allocation).
@@ -182,7 +127,7 @@ fn alloc(dt: DatumType, shape: &[usize]) -> TractResult<Arc<Tensor>> {
 /// changed. Returns the tensor for writing.
 fn ensure<'a>(name: &str, t: &'a mut Arc<Tensor>, dt: DatumType, shape: &[usize]) -> Result<&'a mut Tensor, StepError> {
     if t.shape() != shape || t.datum_type() != dt {
-        *t = alloc(dt, shape).map_err(|e| StepError::Tract { stack: name.to_owned(), message: format!("{e:#}") })?;
+        *t = alloc(dt, shape).map_err(|e| runtime(name, format!("{e:#}")))?;
     }
     unique(name, t)
 }
@@ -192,43 +137,46 @@ impl Stack {
     ///
     /// `capacity` is the number of positions a `full` layer can hold (the longest sequence),
     /// `max_seq` the most positions one step may carry (the longest prefill), `hidden_in` the
-    /// width of `x` (the talker hidden size for both stacks), `dtype` the cache dtype (`fp32` or
-    /// `fp16`), `mask_fill` the manifest's additive value for hidden keys.
+    /// width of `x` (the talker hidden size for both stacks), `dtype` the cache dtype,
+    /// `mask_fill` the manifest's additive value for hidden keys.
     ///
     /// # Errors
     /// [`StepError::BadInput`] when the graph lacks an input or output the contract needs.
     #[allow(clippy::too_many_arguments)]
-    pub fn new(
+    pub(crate) fn new(
         name: &str,
         graph: Graph,
         info: &StackInfo,
         hidden_in: usize,
-        dtype: &str,
+        dtype: Dtype,
         capacity: usize,
         max_seq: usize,
         mask_fill: f32,
     ) -> Result<Self, StepError> {
         let bad = |message: String| StepError::BadInput { stack: name.to_owned(), message };
-        let terr = |e: TractError| StepError::Tract { stack: name.to_owned(), message: format!("{e:#}") };
-        let dt = if dtype == "fp16" { f16::datum_type() } else { f32::datum_type() };
+        let terr = |e: TractError| runtime(name, format!("{e:#}"));
+        let dt = match dtype {
+            Dtype::Fp16 => f16::datum_type(),
+            Dtype::Fp32 => f32::datum_type(),
+        };
         let kv_heads = info.kv_heads as usize;
         let head_dim = info.head_dim as usize;
         let mut window = None;
         let mut layers = Vec::with_capacity(info.cache.len());
         for kind in &info.cache {
-            let (w, rows) = match *kind {
-                CacheKind::Full => (None, 0),
+            let (sliding, rows) = match *kind {
+                CacheKind::Full => (false, 0),
                 CacheKind::Sliding { window: w } => {
                     let w = w as usize;
                     if window.is_some_and(|x| x != w) {
                         return Err(bad("sliding layers with different windows are not supported".into()));
                     }
                     window = Some(w);
-                    (Some(w), w - 1)
+                    (true, w - 1)
                 }
             };
             layers.push(LayerCache {
-                window: w,
+                sliding,
                 k: alloc(dt, &[1, rows, kv_heads, head_dim]).map_err(terr)?,
                 v: alloc(dt, &[1, rows, kv_heads, head_dim]).map_err(terr)?,
             });
@@ -263,9 +211,7 @@ impl Stack {
         let out_k = (0..layers.len()).map(|i| out(&format!("k_new_{i}"))).collect::<Result<Vec<_>, _>>()?;
         let out_v = (0..layers.len()).map(|i| out(&format!("v_new_{i}"))).collect::<Result<Vec<_>, _>>()?;
         let d = head_dim;
-        let theta = info.rope_theta as f32;
-        // inv_freq[j] = 1 / theta^(2j/D), in float32 as transformers computes it.
-        let inv_freq = (0..d / 2).map(|j| 1.0f32 / theta.powf((2 * j) as f32 / d as f32)).collect();
+        let rope = Rope::new(d, info.rope_theta);
         let ring = window.map_or(1, |w| w - 1);
         let f32t = f32::datum_type();
         let state = graph.plan.spawn().map_err(terr)?;
@@ -284,10 +230,9 @@ impl Stack {
             hidden_in,
             capacity,
             max_seq,
-            window,
-            slot_pos: vec![-1; window.map_or(0, |w| w - 1)],
+            ring: window.map(Ring::new),
             next_pos: 0,
-            inv_freq,
+            rope,
             mask_fill,
             x: alloc(f32t, &[1, 1, hidden_in]).map_err(terr)?,
             cos: alloc(f32t, &[1, 1, d]).map_err(terr)?,
@@ -306,8 +251,9 @@ impl Stack {
                 alloc(f32t, &[1, 1, 1, 1]).map_err(terr)?,
             ],
             head: alloc(i64::datum_type(), &[1]).map_err(terr)?,
-            graph,
-            last: StepStats::default(),
+            last: KvStats::default(),
+            logits: Vec::new(),
+            hidden: Vec::new(),
         })
     }
 
@@ -317,22 +263,24 @@ impl Stack {
     }
 
     /// Counters of the last successful step.
-    pub fn last_stats(&self) -> StepStats {
+    pub fn last_stats(&self) -> KvStats {
         self.last
     }
 
     /// Retire the sequence: empty full caches, every ring slot never-written.
     ///
     /// Buffers are kept (the code predictor clears every frame and must not reallocate), except
-    /// full caches grown past 4 × [`MIN_SLOTS`], which are released so a short utterance after a
-    /// long one does not attend over the long one's slots.
+    /// full caches grown past 4 × [`model::kv::MIN_SLOTS`], which are released so a short
+    /// utterance after a long one does not attend over the long one's slots.
     pub fn clear(&mut self) {
         self.next_pos = 0;
-        self.slot_pos.iter_mut().for_each(|p| *p = -1);
+        if let Some(r) = &mut self.ring {
+            r.clear();
+        }
         let empty = [1, 0, self.kv_heads, self.head_dim];
         for l in &mut self.layers {
-            if l.window.is_none()
-                && l.k.shape()[1] > 4 * MIN_SLOTS
+            if !l.sliding
+                && l.k.shape()[1] > 4 * model::kv::MIN_SLOTS
                 && let (Ok(k), Ok(v)) = (alloc(self.dt, &empty), alloc(self.dt, &empty))
             {
                 l.k = k;
@@ -341,21 +289,15 @@ impl Stack {
         }
     }
 
-    /// The graph this stack runs.
-    pub fn graph(&self) -> &Graph {
-        &self.graph
-    }
-
     /// Run one step over `s` new positions starting at [`Stack::position`].
     ///
     /// `x` is `[s, hidden_in]` row-major float32; `head` selects the code predictor's head.
-    /// Returns tract's outputs (`logits` [1, s, V] float32 first; read them with
-    /// [`Stack::logits`] / [`Stack::hidden`]). The caches advance by `s` only if every output
-    /// is valid.
+    /// Returns the logits (and hidden state) of the last position, copied out of tract's
+    /// outputs. The caches advance by `s` only if every output is valid.
     ///
     /// # Errors
     /// [`StepError`]: wrong input size, capacity exceeded, invalid outputs, tract failure.
-    pub fn step(&mut self, x: &[f32], s: usize, head: Option<i64>) -> Result<TVec<TValue>, StepError> {
+    pub fn step(&mut self, x: &[f32], s: usize, head: Option<usize>) -> Result<StepOutput<'_>, StepError> {
         let name = self.name.clone();
         let bad = |message: String| StepError::BadInput { stack: name.clone(), message };
         if s == 0 || s > self.max_seq || x.len() != s * self.hidden_in {
@@ -367,7 +309,7 @@ impl Stack {
             )));
         }
         let start = self.next_pos;
-        let has_full = self.layers.iter().any(|l| l.window.is_none());
+        let has_full = self.layers.iter().any(|l| !l.sliding);
         if has_full && start + s > self.capacity {
             return Err(StepError::Capacity { stack: name, needed: start + s, capacity: self.capacity });
         }
@@ -388,49 +330,30 @@ impl Stack {
             };
             inputs.push(t.clone().into_tvalue());
         }
-        let outputs = self.state.run(inputs).map_err(|e| StepError::Tract { stack: self.name.clone(), message: format!("{e:#}") })?;
+        let outputs = self.state.run(inputs).map_err(|e| runtime(&self.name, format!("{e:#}")))?;
         self.validate(&outputs, s)?;
         let bytes = self.commit(&outputs, s, start)?;
         self.next_pos = start + s;
-        self.last = StepStats { bytes_copied: bytes, bytes_regrown: regrown, positions: s, slots: self.last.slots };
-        Ok(outputs)
+        self.last = KvStats { bytes_copied: bytes, bytes_regrown: regrown, positions: s, slots: self.last.slots };
+        // the last position's logits and hidden state, copied so tract's tensors go back now
+        let logits = last_row(&outputs[self.out_logits]);
+        self.logits.clear();
+        self.logits.extend_from_slice(logits);
+        self.hidden.clear();
+        if let Some(o) = self.out_hidden {
+            self.hidden.extend_from_slice(last_row(&outputs[o]));
+        }
+        drop(outputs);
+        Ok(StepOutput { logits: &self.logits, hidden: self.out_hidden.map(|_| &self.hidden[..]) })
     }
 
-    /// The logits of the last position of a step's outputs, `[V]`.
-    pub fn last_logits<'a>(&self, outputs: &'a TVec<TValue>) -> &'a [f32] {
-        let t = &outputs[self.out_logits];
-        let v = t.shape()[2];
-        let all = view::<f32>(t).unwrap_or(&[]);
-        &all[all.len().saturating_sub(v)..]
-    }
-
-    /// All logits of a step, `[s, V]` row-major, and V.
-    pub fn logits<'a>(&self, outputs: &'a TVec<TValue>) -> (&'a [f32], usize) {
-        let t = &outputs[self.out_logits];
-        (view::<f32>(t).unwrap_or(&[]), t.shape()[2])
-    }
-
-    /// The post-norm hidden state of the last position (talker only), `[H]`.
-    pub fn last_hidden<'a>(&self, outputs: &'a TVec<TValue>) -> Option<&'a [f32]> {
-        let t = &outputs[self.out_hidden?];
-        let h = t.shape()[2];
-        let all = view::<f32>(t).ok()?;
-        Some(&all[all.len().saturating_sub(h)..])
-    }
-
-    /// Slots of the full caches for a sequence of `needed` positions: the next power of two, at
-    /// least [`MIN_SLOTS`] (or the capacity, when smaller: the code predictor's 16).
-    fn slots_for(&self, needed: usize) -> usize {
-        needed.max(MIN_SLOTS.min(self.capacity)).next_power_of_two()
-    }
-
-    fn fill_inputs(&mut self, x: &[f32], s: usize, start: usize, head: Option<i64>) -> Result<usize, StepError> {
+    fn fill_inputs(&mut self, x: &[f32], s: usize, start: usize, head: Option<usize>) -> Result<usize, StepError> {
         let name = self.name.clone();
         let (d, h) = (self.head_dim, self.hidden_in);
         let fill = self.mask_fill;
         let f32t = f32::datum_type();
         fn slice<'a, D: Datum>(name: &str, t: &'a mut Tensor) -> Result<&'a mut [D], StepError> {
-            view_mut::<D>(t).map_err(|e| StepError::Tract { stack: name.to_owned(), message: e.to_string() })
+            view_mut::<D>(t).map_err(|e| runtime(name, e.to_string()))
         }
         if self.x.shape()[1] != s {
             let [x, cos, sin, fp, fnew, rp, rn] = &mut self.spare;
@@ -448,32 +371,24 @@ impl Stack {
         }
         let xt = ensure(&name, &mut self.x, f32t, &[1, s, h])?;
         slice::<f32>(&name, xt)?.copy_from_slice(x);
-        // RoPE: angle = position * inv_freq (float32), both halves repeated.
-        for (t, is_cos) in [(&mut self.cos, true), (&mut self.sin, false)] {
-            let buf = slice::<f32>(&name, ensure(&name, t, f32t, &[1, s, d])?)?;
-            for r in 0..s {
-                let p = (start + r) as f32;
-                for (j, f) in self.inv_freq.iter().enumerate() {
-                    let a = p * f;
-                    let v = if is_cos { a.cos() } else { a.sin() };
-                    buf[r * d + j] = v;
-                    buf[r * d + j + d / 2] = v;
-                }
-            }
-        }
+        // RoPE angles of the step's positions
+        ensure(&name, &mut self.cos, f32t, &[1, s, d])?;
+        ensure(&name, &mut self.sin, f32t, &[1, s, d])?;
+        let (cos, sin) = (unique(&name, &mut self.cos)?, unique(&name, &mut self.sin)?);
+        self.rope.fill(start, s, slice::<f32>(&name, cos)?, slice::<f32>(&name, sin)?);
         // full caches: grow (rarely) so the step's entries fit; slots >= start are masked.
         let mut regrown = 0;
-        let slots = self.slots_for(start + s);
+        let slots = slots_for(start + s, self.capacity);
         let row = self.kv_heads * self.head_dim;
         for l in &mut self.layers {
-            if l.window.is_some() {
+            if l.sliding {
                 continue;
             }
             for t in [&mut l.k, &mut l.v] {
                 let old = t.shape()[1];
                 if old < slots {
                     let mut grown = Tensor::zero_dt(self.dt, &[1, slots, self.kv_heads, self.head_dim])
-                        .map_err(|e| StepError::Tract { stack: name.clone(), message: format!("{e:#}") })?;
+                        .map_err(|e| runtime(&name, format!("{e:#}")))?;
                     let keep = start.min(old) * row * self.dt.size_of();
                     grown.as_bytes_mut()[..keep].copy_from_slice(&t.as_bytes()[..keep]);
                     regrown += keep;
@@ -481,39 +396,21 @@ impl Stack {
                 }
             }
         }
-        let full_slots = self.layers.iter().find(|l| l.window.is_none()).map_or(0, |l| l.k.shape()[1]);
-        let fp = slice::<f32>(&name, ensure(&name, &mut self.full_past, f32t, &[1, 1, s, full_slots])?)?;
-        for q in 0..s {
-            for j in 0..full_slots {
-                fp[q * full_slots + j] = if j < start { 0.0 } else { fill };
-            }
-        }
-        let fnew = slice::<f32>(&name, ensure(&name, &mut self.full_new, f32t, &[1, 1, s, s])?)?;
-        for q in 0..s {
-            for k in 0..s {
-                fnew[q * s + k] = if k <= q { 0.0 } else { fill };
-            }
-        }
-        // sliding layers: a ring slot is visible when written and within the window; the new
-        // block is causal and within the window.
-        if let Some(w) = self.window {
-            let r = w - 1;
-            let rp = slice::<f32>(&name, ensure(&name, &mut self.ring_past, f32t, &[1, 1, s, r])?)?;
-            for q in 0..s {
-                let qpos = (start + q) as i64;
-                for (j, &p) in self.slot_pos.iter().enumerate() {
-                    rp[q * r + j] = if p >= 0 && p > qpos - w as i64 { 0.0 } else { fill };
-                }
-            }
-            let rn = slice::<f32>(&name, ensure(&name, &mut self.ring_new, f32t, &[1, 1, s, s])?)?;
-            for q in 0..s {
-                for k in 0..s {
-                    rn[q * s + k] = if k <= q && q - k < w { 0.0 } else { fill };
-                }
-            }
+        let full_slots = self.layers.iter().find(|l| !l.sliding).map_or(0, |l| l.k.shape()[1]);
+        ensure(&name, &mut self.full_past, f32t, &[1, 1, s, full_slots])?;
+        ensure(&name, &mut self.full_new, f32t, &[1, 1, s, s])?;
+        let (fp, fnew) = (unique(&name, &mut self.full_past)?, unique(&name, &mut self.full_new)?);
+        fill_full_masks(start, s, full_slots, fill, slice::<f32>(&name, fp)?, slice::<f32>(&name, fnew)?);
+        // sliding layers: the ring's masks (written slots within the window; causal new block)
+        if let Some(ring) = &self.ring {
+            let r = ring.len();
+            ensure(&name, &mut self.ring_past, f32t, &[1, 1, s, r])?;
+            ensure(&name, &mut self.ring_new, f32t, &[1, 1, s, s])?;
+            let (rp, rn) = (unique(&name, &mut self.ring_past)?, unique(&name, &mut self.ring_new)?);
+            ring.fill_masks(start, s, fill, slice::<f32>(&name, rp)?, slice::<f32>(&name, rn)?);
         }
         if let Some(hd) = head {
-            slice::<i64>(&name, unique(&name, &mut self.head)?)?[0] = hd;
+            slice::<i64>(&name, unique(&name, &mut self.head)?)?[0] = hd as i64;
         }
         self.last.slots = full_slots;
         Ok(regrown)
@@ -553,21 +450,19 @@ impl Stack {
         let row = self.kv_heads * self.head_dim * self.dt.size_of();
         let mut bytes = 0;
         // ring: a step longer than the ring keeps only its last window-1 positions
-        let ring = self.window.map(|w| w - 1);
+        let ring = &mut self.ring;
         for (i, l) in self.layers.iter_mut().enumerate() {
             for (t, o) in [(&mut l.k, self.out_k[i]), (&mut l.v, self.out_v[i])] {
                 let src = outputs[o].as_bytes();
                 let dst = unique(&name, t)?.as_bytes_mut();
-                match l.window {
+                match ring.as_ref().filter(|_| l.sliding) {
                     None => {
                         dst[start * row..(start + s) * row].copy_from_slice(&src[..s * row]);
                         bytes += s * row;
                     }
-                    Some(_) => {
-                        let r = ring.unwrap_or(1);
-                        let keep = s.min(r);
-                        for j in s - keep..s {
-                            let slot = (start + j) % r;
+                    Some(r) => {
+                        for j in r.kept(s) {
+                            let slot = r.slot(start + j);
                             dst[slot * row..(slot + 1) * row].copy_from_slice(&src[j * row..(j + 1) * row]);
                             bytes += row;
                         }
@@ -576,11 +471,33 @@ impl Stack {
             }
         }
         if let Some(r) = ring {
-            let keep = s.min(r);
-            for j in s - keep..s {
-                self.slot_pos[(start + j) % r] = (start + j) as i64;
-            }
+            r.commit(start, s);
         }
         Ok(bytes)
     }
+}
+
+impl StepSession for Stack {
+    fn position(&self) -> usize {
+        Stack::position(self)
+    }
+
+    fn clear(&mut self) {
+        Stack::clear(self)
+    }
+
+    fn step(&mut self, x: &[f32], positions: usize, head: Option<usize>) -> Result<StepOutput<'_>, StepError> {
+        Stack::step(self, x, positions, head)
+    }
+
+    fn last_stats(&self) -> KvStats {
+        Stack::last_stats(self)
+    }
+}
+
+/// The last row of a `[1, s, w]` float32 output: the last position's values.
+fn last_row(t: &Tensor) -> &[f32] {
+    let w = t.shape().get(2).copied().unwrap_or(0);
+    let all = view::<f32>(t).unwrap_or(&[]);
+    &all[all.len().saturating_sub(w)..]
 }

@@ -7,8 +7,18 @@
 use std::fmt;
 use std::time::Duration;
 
-/// Duration of one codec frame at 12.5 frames/s (1920 samples at 24 kHz).
-pub const FRAME_SECONDS: f64 = 0.080;
+use crate::frame::FRAME_SECONDS_12HZ as FRAME_SECONDS;
+
+/// The median of `v` (sorted in place, NaN-safe total order); the mean of the two middle values
+/// for an even count; 0 for an empty slice. The one median every benchmark and calibration uses.
+pub fn median(v: &mut [f64]) -> f64 {
+    if v.is_empty() {
+        return 0.0;
+    }
+    v.sort_by(f64::total_cmp);
+    let n = v.len();
+    if n % 2 == 1 { v[n / 2] } else { (v[n / 2 - 1] + v[n / 2]) / 2.0 }
+}
 
 /// One timing counter.
 #[derive(Debug, Clone)]
@@ -155,6 +165,13 @@ impl fmt::Display for StepStats {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn median_by_hand() {
+        assert_eq!(median(&mut []), 0.0);
+        assert_eq!(median(&mut [3.0, 1.0, 2.0]), 2.0);
+        assert_eq!(median(&mut [4.0, 1.0, 3.0, 2.0]), 2.5);
+    }
 
     #[test]
     fn mean_p95_max_by_hand() {

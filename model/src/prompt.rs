@@ -21,7 +21,7 @@
 
 use std::borrow::Cow;
 use std::collections::BTreeMap;
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 
 use tokenizers::Tokenizer;
 
@@ -244,24 +244,14 @@ pub struct Prompter {
 }
 
 impl Prompter {
-    /// Load `bundle_dir/<tokenizer.file>` and take the ids from the manifest. Language and
-    /// speaker names are matched case-insensitively (lower-cased, as reference.py). The id of
-    /// `assistant` is `[text] assistant`, else the tokenizer's; the newline id is the first id
-    /// of `"\n"`.
+    /// A prompter over `tokenizer`, with the ids from the manifest. Language and speaker names
+    /// are matched case-insensitively (lower-cased, as reference.py). The id of `assistant` is
+    /// `[text] assistant`, else the tokenizer's; the newline id is the first id of `"\n"`.
+    /// (Reading the tokenizer file is the engine's: `engine::bundle::read_prompter`.)
     ///
     /// # Errors
-    /// [`PromptError::TokenizerLoad`] (names the file), [`PromptError::Bundle`] when the
-    /// tokenizer has no `assistant` token or no newline, or a dialect names an unknown language.
-    pub fn new(bundle_dir: &Path, manifest: &Manifest) -> Result<Self, PromptError> {
-        let path = bundle_dir.join(&manifest.tokenizer.file);
-        let tokenizer = Tokenizer::from_file(&path).map_err(|source| PromptError::TokenizerLoad { path, source })?;
-        Self::with_tokenizer(tokenizer, manifest)
-    }
-
-    /// As [`Prompter::new`] with an already loaded tokenizer.
-    ///
-    /// # Errors
-    /// [`PromptError::Bundle`] as for [`Prompter::new`].
+    /// [`PromptError::Bundle`] when the tokenizer has no `assistant` token or no newline, or a
+    /// dialect names an unknown language.
     pub fn with_tokenizer(tokenizer: Tokenizer, manifest: &Manifest) -> Result<Self, PromptError> {
         let bundle = |message: String| PromptError::Bundle { message };
         let assistant = match manifest.text.assistant {

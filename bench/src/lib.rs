@@ -4,14 +4,14 @@
 //! `bytes read / memory bandwidth` (shared/reference/qwen3-tts.md §8). This module measures the
 //! three step graphs on their own (talker decode step at a given past length, one
 //! code-predictor sub-step, one vocoder chunk), the bandwidth of this machine in the same run,
-//! and the threaded pipeline ([`crate::Engine::synthesize`]) on a fixed text. Pure compute: the
+//! and the threaded pipeline ([`engine::Engine::synthesize`]) on a fixed text. Pure compute: the
 //! caller supplies what needs the OS (the allocation counter, peak RSS).
 //!
 //! Definitions (also in docs/performance.md):
 //! - **step latency**: median wall time of `steps` timed steps after `warmup` untimed ones.
 //! - **past length P**: the talker cache holds P positions (filled by one prefill of P random
 //!   embedding rows) before the warm-up; step i then runs at position P + warmup + i, over the
-//!   cache's slot count (the next power of two ≥ the positions, [`crate::stack::MIN_SLOTS`]).
+//!   cache's slot count (the next power of two ≥ the positions, [`model::kv::MIN_SLOTS`]).
 //! - **bytes read** by a step: its weights (every linear layer and norm of the stack plus the
 //!   one head it uses; embeddings are host-side lookups) plus the K/V of every slot it attends
 //!   over, at the bundle dtype's width.
@@ -19,7 +19,7 @@
 //!   buffer of at least 256 MiB, split over the step's thread count, median of several runs.
 //! - **floor** = bytes read / bandwidth; **floor fraction** = floor / measured latency (1.0
 //!   means the step runs at the speed of memory).
-//! - **playback stall**: [`crate::metrics`]: chunk i arrives at t_i after C_i seconds of earlier
+//! - **playback stall**: [`model::metrics`]: chunk i arrives at t_i after C_i seconds of earlier
 //!   audio; a player that starts at the first chunk (TTFA = t_0) and waits whenever it runs dry
 //!   waits `max_i(t_i - C_i) - t_0` seconds in total (0: gapless).
 
@@ -30,14 +30,16 @@ use std::time::Instant;
 
 use serde::Serialize;
 
-use crate::manifest::{Manifest, StackInfo};
-use crate::stack::Stack;
-use crate::synth::{Bundle, Decoder, EngineError, EngineSettings, Frame, Request, Vocoder};
-use crate::tables::Embedding;
-use crate::{Engine, PlaybackMetrics, set_compute_threads};
-
-/// Codebooks per frame (16: c0 plus 15 residual codes).
-const CODEBOOKS: usize = 16;
+use backend_tract::{Tract, set_compute_threads};
+use engine::decoder::Decoder;
+use engine::tables::Embedding;
+use engine::vocoder::Vocoder;
+use engine::{Bundle, DEFAULT_POOL_BYTES, Engine, EngineError, EngineSettings, Request};
+use model::PlaybackMetrics;
+use model::backend::{StackRole, StepSpec};
+use model::footprint::{kv_read_bytes, predictor_step_params, talker_step_params};
+use model::frame::{CODEBOOKS, Frame};
+use model::manifest::{Manifest, StackInfo};
 
 /// Summary of repeated timings, in milliseconds.
 #[derive(Debug, Clone, Serialize)]
@@ -109,40 +111,14 @@ pub fn measure_bandwidth(bytes: usize, threads: usize, runs: usize) -> Bandwidth
     Bandwidth { buffer_bytes: n * 8, threads, gb_per_s: med, best_gb_per_s: rates.last().copied().unwrap_or(0.0), runs }
 }
 
-/// Bytes per element of the bundle dtype (`fp16`: 2, otherwise 4).
-fn dtype_bytes(m: &Manifest) -> usize {
-    if m.model.dtype == "fp16" { 2 } else { 4 }
+/// Weight bytes of `params` parameters in the bundle's dtype.
+fn weight_bytes(m: &Manifest, params: u64) -> usize {
+    (params * m.dtype().bytes()) as usize
 }
 
-/// Weight parameters of one decoder stack (every layer's projections and norms, final norm).
-fn stack_params(s: &StackInfo) -> usize {
-    let (h, q, kv, i, d) = (
-        s.hidden as usize,
-        (s.heads * s.head_dim) as usize,
-        (s.kv_heads * s.head_dim) as usize,
-        s.intermediate as usize,
-        s.head_dim as usize,
-    );
-    let layer = h * q + 2 * h * kv + q * h + 3 * h * i + 2 * h + 2 * d;
-    s.layers as usize * layer + h
-}
-
-/// Weight parameters one talker decode step reads: the stack plus `codec_head` [vocab, H].
-pub fn talker_step_params(m: &Manifest) -> usize {
-    stack_params(&m.talker) + (m.codec.vocab_size * m.talker.hidden) as usize
-}
-
-/// Weight parameters one code-predictor sub-step reads: the stack, one `lm_head` [2048, H_cp]
-/// and, when present, `small_to_mtp_projection` [H_cp, H_talker] + bias.
-pub fn predictor_step_params(m: &Manifest) -> usize {
-    let c = &m.code_predictor;
-    let proj = if c.projection.unwrap_or(false) { (c.hidden * m.talker.hidden + c.hidden) as usize } else { 0 };
-    stack_params(c) + (m.audio.codebook_size * c.hidden) as usize + proj
-}
-
-/// K/V bytes a step of `s` reads over `slots` cache slots (all layers, keys and values).
+/// K/V bytes a step of `s` reads over `slots` full-cache slots ([`kv_read_bytes`]).
 fn kv_bytes(m: &Manifest, s: &StackInfo, slots: usize) -> usize {
-    s.layers as usize * 2 * slots * (s.kv_heads * s.head_dim) as usize * dtype_bytes(m)
+    kv_read_bytes(s, m.dtype(), slots as u64) as usize
 }
 
 /// One step graph's latency against its bandwidth floor.
@@ -200,7 +176,7 @@ pub fn talker_step(b: &Bundle, past: usize, warmup: usize, steps: usize) -> Resu
     let m = &b.manifest;
     let h = m.talker.hidden as usize;
     let cap = (past + warmup + steps + 1).next_power_of_two();
-    let mut st = Stack::new("talker", b.talker.clone(), &m.talker, h, &m.model.dtype, cap, past.max(1), m.attention.mask_fill)?;
+    let mut st = b.graphs.step_session(&StepSpec { role: StackRole::Talker, capacity: cap, max_seq: past.max(1), hidden_in: h })?;
     if past > 0 {
         let x = rows(b, past, 1)?;
         st.step(&x, past, None)?;
@@ -210,9 +186,8 @@ pub fn talker_step(b: &Bundle, past: usize, warmup: usize, steps: usize) -> Resu
     let mut slots = 0;
     for (i, row) in x.chunks(h).enumerate() {
         let t0 = Instant::now();
-        let out = st.step(row, 1, None)?;
+        st.step(row, 1, None)?;
         let dt = t0.elapsed().as_secs_f64();
-        drop(out);
         if i >= warmup {
             t.push(dt);
             slots = slots.max(st.last_stats().slots);
@@ -223,7 +198,7 @@ pub fn talker_step(b: &Bundle, past: usize, warmup: usize, steps: usize) -> Resu
         past,
         slots,
         timing: Timing::from_seconds(&t),
-        weight_bytes: talker_step_params(m) * dtype_bytes(m),
+        weight_bytes: weight_bytes(m, talker_step_params(m)),
         kv_bytes: kv_bytes(m, &m.talker, slots),
         floor_ms: 0.0,
         floor_fraction: 0.0,
@@ -238,7 +213,7 @@ pub fn talker_step(b: &Bundle, past: usize, warmup: usize, steps: usize) -> Resu
 pub fn predictor_step(b: &Bundle, warmup: usize, steps: usize) -> Result<(StepResult, Timing), EngineError> {
     let m = &b.manifest;
     let h = m.talker.hidden as usize;
-    let mut st = Stack::new("code_predictor", b.predictor.clone(), &m.code_predictor, h, &m.model.dtype, CODEBOOKS, 2, m.attention.mask_fill)?;
+    let mut st = b.graphs.step_session(&StepSpec { role: StackRole::CodePredictor, capacity: CODEBOOKS, max_seq: 2, hidden_in: h })?;
     let x = rows(b, CODEBOOKS, 3)?;
     let mut t = Vec::with_capacity(steps + 14);
     let mut frames = Vec::new();
@@ -247,12 +222,11 @@ pub fn predictor_step(b: &Bundle, warmup: usize, steps: usize) -> Result<(StepRe
     while t.len() < steps || f < 2 {
         st.clear();
         let t_frame = Instant::now();
-        drop(st.step(&x[..2 * h], 2, Some(0))?);
+        st.step(&x[..2 * h], 2, Some(0))?;
         for k in 1..CODEBOOKS - 1 {
             let t0 = Instant::now();
-            let out = st.step(&x[(k + 1) * h..(k + 2) * h], 1, Some(k as i64))?;
+            st.step(&x[(k + 1) * h..(k + 2) * h], 1, Some(k))?;
             let dt = t0.elapsed().as_secs_f64();
-            drop(out);
             if done >= warmup {
                 t.push(dt);
             }
@@ -269,7 +243,7 @@ pub fn predictor_step(b: &Bundle, warmup: usize, steps: usize) -> Result<(StepRe
         past: 8,
         slots,
         timing: Timing::from_seconds(&t),
-        weight_bytes: predictor_step_params(m) * dtype_bytes(m),
+        weight_bytes: weight_bytes(m, predictor_step_params(m)),
         kv_bytes: kv_bytes(m, &m.code_predictor, slots),
         floor_ms: 0.0,
         floor_fraction: 0.0,
@@ -360,7 +334,7 @@ impl Default for BenchConfig {
             text: DEFAULT_TEXT.into(),
             frames: 155,
             steps_only: false,
-            pool_bytes: crate::synth::DEFAULT_POOL_BYTES,
+            pool_bytes: DEFAULT_POOL_BYTES,
         }
     }
 }
@@ -425,7 +399,7 @@ pub struct PipelineResult {
     /// wall / frames, ms (80 ms = real time).
     pub wall_ms_per_frame: f64,
     /// Heap allocations per frame in the steady state of the decode and vocoder threads
-    /// ([`crate::StageMemory::steady_heap_allocations_per_frame`]: decode frames after the first
+    /// ([`engine::StageMemory::steady_heap_allocations_per_frame`]: decode frames after the first
     /// two, vocoder chunks that repeat a window length); None when the utterance is too short to
     /// repeat a vocoder window (fewer than ramp sum + left context + 2 × the largest chunk
     /// frames: 155 with the default ramp is enough).
@@ -434,10 +408,10 @@ pub struct PipelineResult {
     /// prefill and the caller's thread included); None without a counter.
     pub process_allocations_per_frame: Option<f64>,
     /// Blocks the decode and vocoder threads took from their frame pools per frame, whole
-    /// utterance: what tract's executor asks for, served without the heap ([`crate::pool`]).
+    /// utterance: what tract's executor asks for, served without the heap ([`engine::pool`]).
     pub pool_blocks_per_frame: f64,
     /// The utterance's frame-pool counters.
-    pub memory: crate::pipeline::StageMemory,
+    pub memory: engine::StageMemory,
     /// Chunk sizes in frames, in order.
     pub chunks: Vec<usize>,
 }
@@ -496,7 +470,7 @@ pub fn step_set(b: &Bundle, cfg: &BenchConfig, threads: usize, pasts: &[usize], 
 /// Loading or step errors.
 pub fn load_to_first_frame(dir: &Path, text: &str) -> Result<(Arc<Bundle>, LoadResult), EngineError> {
     let t0 = Instant::now();
-    let b = Arc::new(Bundle::open(dir)?);
+    let b = Arc::new(Bundle::open(dir, &Tract)?);
     let open_s = t0.elapsed().as_secs_f64();
     let mut dec = Decoder::new(Arc::clone(&b), &EngineSettings::default())?;
     let mut req = Request::new(text);
@@ -570,7 +544,7 @@ pub fn pipeline(b: &Arc<Bundle>, cfg: &BenchConfig, allocs: Option<&dyn Fn() -> 
 pub fn run(dir: &Path, cfg: &BenchConfig, allocs: Option<&dyn Fn() -> u64>) -> Result<BenchResult, EngineError> {
     set_compute_threads(cfg.threads);
     let (b, load) = if cfg.steps_only {
-        (Arc::new(Bundle::open(dir)?), None)
+        (Arc::new(Bundle::open(dir, &Tract)?), None)
     } else {
         let (b, l) = load_to_first_frame(dir, &cfg.text)?;
         (b, Some(l))

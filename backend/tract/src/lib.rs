@@ -1,0 +1,96 @@
+//! herald's tract backend: the bundle's ONNX graphs on tract, behind [`model::backend`]'s traits.
+//!
+//! This is the only crate that names tract. [`Tract`] loads the three graphs of a bundle
+//! (sanitized, checked against the manifest's IO contract, optimized: [`graph`]); a
+//! [`stack::Stack`] runs a step graph with host-owned KV buffers that grow by doubling (tract
+//! takes a symbolic slot count); [`vocoder::TractVocoder`] runs the windowed vocoder;
+//! [`compute`] gives each pipeline stage its own matrix-product threads. [`sanitize`] rewrites
+//! torch-exported graphs into a form tract loads (also `herald sanitize`).
+
+pub mod compute;
+mod graph;
+pub mod sanitize;
+pub mod stack;
+pub mod vocoder;
+
+use std::path::Path;
+
+use model::backend::{
+    Backend, BackendError, LoadTimes, LoadedGraphs, PinThread, StackRole, StageCompute, StepError, StepSession, StepSpec, VocoderError,
+    VocoderSession,
+};
+use model::manifest::Manifest;
+
+pub use compute::set_compute_threads;
+
+/// The tract backend. Stateless: every [`Backend::load`] reads and optimizes the graphs anew.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct Tract;
+
+impl Backend for Tract {
+    fn name(&self) -> &'static str {
+        "tract"
+    }
+
+    fn load(&self, dir: &Path, manifest: &Manifest) -> Result<Box<dyn LoadedGraphs>, BackendError> {
+        let g = |name: &str| -> Result<graph::Graph, BackendError> {
+            let info = manifest
+                .graphs
+                .get(name)
+                .ok_or_else(|| BackendError::Unsupported(format!("bundle.toml has no graph {name:?}")))?;
+            graph::load(dir, name, info)
+        };
+        let talker = g(&manifest.talker.graph)?;
+        let predictor = g(&manifest.code_predictor.graph)?;
+        let vocoder = g(&manifest.vocoder.graph)?;
+        Ok(Box::new(TractGraphs { manifest: manifest.clone(), talker, predictor, vocoder }))
+    }
+}
+
+/// A bundle's three graphs, optimized by tract; plans are shared, each session spawns its own
+/// state.
+#[derive(Debug)]
+pub struct TractGraphs {
+    manifest: Manifest,
+    talker: graph::Graph,
+    predictor: graph::Graph,
+    vocoder: graph::Graph,
+}
+
+impl LoadedGraphs for TractGraphs {
+    fn backend(&self) -> &'static str {
+        "tract"
+    }
+
+    fn step_session(&self, spec: &StepSpec) -> Result<Box<dyn StepSession>, StepError> {
+        let m = &self.manifest;
+        let (graph, info) = match spec.role {
+            StackRole::Talker => (&self.talker, &m.talker),
+            StackRole::CodePredictor => (&self.predictor, &m.code_predictor),
+        };
+        let stack = stack::Stack::new(
+            spec.role.key(),
+            graph.clone(),
+            info,
+            spec.hidden_in,
+            m.dtype(),
+            spec.capacity,
+            spec.max_seq,
+            m.attention.mask_fill,
+        )?;
+        Ok(Box::new(stack))
+    }
+
+    fn vocoder_session(&self, max_window: usize) -> Result<Box<dyn VocoderSession>, VocoderError> {
+        let spf = self.manifest.audio.samples_per_frame as usize;
+        Ok(Box::new(vocoder::TractVocoder::new(&self.vocoder, max_window, spf)?))
+    }
+
+    fn stage_compute(&self, stage: &str, cpus: &[usize], pin: PinThread) -> Result<Box<dyn StageCompute>, BackendError> {
+        Ok(Box::new(compute::StageThreads::new(stage, cpus.len(), pin)?))
+    }
+
+    fn load_times(&self) -> LoadTimes {
+        LoadTimes { talker: self.talker.load_seconds, code_predictor: self.predictor.load_seconds, vocoder: self.vocoder.load_seconds }
+    }
+}

@@ -1,0 +1,126 @@
+//! Opening a model bundle: the manifest and the tokenizer read from the directory, the tables
+//! memory-mapped, the graphs loaded by a backend ([`model::backend::Backend`]).
+
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::Instant;
+
+use model::backend::{Backend, LoadedGraphs};
+use model::manifest::{Manifest, ManifestError};
+use model::prompt::{PromptError, Prompter};
+use tokenizers::Tokenizer;
+
+use crate::error::EngineError;
+use crate::tables::Tables;
+
+/// Read, parse and validate `DIR/bundle.toml`, checking that every file it names exists inside
+/// `DIR`.
+///
+/// # Errors
+/// [`ManifestError::Io`] when the file cannot be read, [`ManifestError::Parse`] for TOML or
+/// schema errors, [`ManifestError::Invalid`] for inconsistent or unsupported content or a file
+/// that is not in the bundle.
+pub fn read_manifest(dir: &Path) -> Result<Manifest, ManifestError> {
+    let path = dir.join("bundle.toml");
+    let text = std::fs::read_to_string(&path).map_err(|source| ManifestError::Io { path: path.clone(), source })?;
+    let m = Manifest::parse(&text, &path)?;
+    for file in m.files() {
+        if !dir.join(file).is_file() {
+            return Err(ManifestError::Invalid { path, message: format!("names {file}, which is not in the bundle") });
+        }
+    }
+    Ok(m)
+}
+
+/// Load `dir/<tokenizer.file>` and build the prompter over it ([`Prompter::with_tokenizer`]).
+///
+/// # Errors
+/// [`PromptError::TokenizerLoad`] (names the file), or [`Prompter::with_tokenizer`]'s errors.
+pub fn read_prompter(dir: &Path, manifest: &Manifest) -> Result<Prompter, PromptError> {
+    let path = dir.join(&manifest.tokenizer.file);
+    let tokenizer = Tokenizer::from_file(&path).map_err(|source| PromptError::TokenizerLoad { path, source })?;
+    Prompter::with_tokenizer(tokenizer, manifest)
+}
+
+/// A loaded bundle: manifest, tables, tokenizer and optimized graphs. Load once, share.
+#[derive(Debug)]
+pub struct Bundle {
+    /// Bundle directory.
+    pub dir: PathBuf,
+    /// The manifest.
+    pub manifest: Manifest,
+    /// Memory-mapped embedding tables.
+    pub tables: Arc<Tables>,
+    /// Tokenizer and prompt layout.
+    pub prompter: Arc<Prompter>,
+    /// The three graphs, loaded by a backend.
+    pub graphs: Box<dyn LoadedGraphs>,
+    /// Seconds from open to ready.
+    pub load_seconds: f64,
+}
+
+impl Bundle {
+    /// Open and validate a bundle directory and load its graphs with `backend`.
+    ///
+    /// # Errors
+    /// Any [`EngineError`] of the loading stages, naming the file at fault.
+    pub fn open(dir: &Path, backend: &dyn Backend) -> Result<Self, EngineError> {
+        let t0 = Instant::now();
+        let manifest = read_manifest(dir)?;
+        let tables = Arc::new(Tables::open(dir, &manifest)?);
+        let prompter = Arc::new(read_prompter(dir, &manifest).map_err(|e| EngineError::Bundle(e.to_string()))?);
+        for (key, stack) in [("talker", &manifest.talker), ("code_predictor", &manifest.code_predictor)] {
+            check_caches(dir, &manifest, key, stack)?;
+        }
+        let graphs = backend.load(dir, &manifest)?;
+        let load_seconds = t0.elapsed().as_secs_f64();
+        let times = graphs.load_times();
+        log::info!(
+            "bundle {}: {} {} {} loaded by {} in {:.2} s (talker {:.2} s, predictor {:.2} s, vocoder {:.2} s)",
+            dir.display(),
+            manifest.model.family,
+            manifest.model.size,
+            manifest.model.dtype,
+            graphs.backend(),
+            load_seconds,
+            times.talker,
+            times.code_predictor,
+            times.vocoder
+        );
+        Ok(Bundle { dir: dir.to_owned(), manifest, tables, prompter, graphs, load_seconds })
+    }
+}
+
+/// Every layer's declared cache inputs must match the manifest's cache kind: a `full` layer takes
+/// `[1, past, KV, head_dim]`, a `sliding` one `[1, window - 1, KV, head_dim]`. Checked before any
+/// buffer is sized from the manifest, so an absurd window is an error, not an allocation.
+fn check_caches(dir: &Path, m: &Manifest, key: &str, stack: &model::manifest::StackInfo) -> Result<(), EngineError> {
+    use model::manifest::{CacheKind, Dim};
+    let file = dir.join("bundle.toml");
+    let g = m.graphs.get(&stack.graph).ok_or_else(|| EngineError::Bundle(format!("{}: {key}.graph {:?} is not in [graphs]", file.display(), stack.graph)))?;
+    for (i, kind) in stack.cache.iter().enumerate() {
+        for kv in ["k", "v"] {
+            let name = format!("{kv}_cache_{i}");
+            let spec = g.inputs.iter().find(|t| t.name == name).ok_or_else(|| {
+                EngineError::Bundle(format!("{}: graph {} has no input {name} for {key}.cache[{i}]", file.display(), stack.graph))
+            })?;
+            let rows_ok = match (kind, spec.shape.get(1)) {
+                (CacheKind::Full, Some(Dim::Symbol(_))) => true,
+                (CacheKind::Sliding { window }, Some(Dim::Fixed(r))) => u64::from(*window) == r + 1,
+                _ => false,
+            };
+            let tail = spec.shape.get(2..) == Some(&[Dim::Fixed(u64::from(stack.kv_heads)), Dim::Fixed(u64::from(stack.head_dim))][..]);
+            if !rows_ok || !tail || spec.shape.len() != 4 {
+                return Err(EngineError::Bundle(format!(
+                    "{}: {key}.cache[{i}] is {kind:?} with {} kv heads x {}, but graph input {name} has shape {:?}",
+                    file.display(),
+                    stack.kv_heads,
+                    stack.head_dim,
+                    spec.shape
+                )));
+            }
+        }
+    }
+    Ok(())
+}
+

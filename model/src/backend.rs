@@ -1,0 +1,266 @@
+//! The backend seam: what the engine needs from an inference runtime, and nothing more.
+//!
+//! The engine (decode loop, vocoder driver, pipeline) talks to a runtime only through these
+//! traits; `backend/tract` implements them on tract (ONNX, symbolic past length, host-owned KV
+//! buffers that grow by doubling), and a static-shape NPU backend (QNN context binaries: one
+//! compiled graph per fixed slot count, fp16 I/O) implements the same traits with its own
+//! buffers. What stays on the host for every backend lives in [`crate::kv`] (ring-slot
+//! arithmetic, masks, RoPE angles) and [`crate::sampler`].
+//!
+//! Shape of the seam:
+//! - [`Backend::load`] turns a bundle directory plus its validated [`Manifest`] into
+//!   [`LoadedGraphs`]: the heavy, once-per-process work (parsing, optimizing, mapping weights).
+//! - [`LoadedGraphs::step_session`] gives one [`StepSession`] per stack and thread: a step graph
+//!   with its own KV caches, one sequence at a time (the talker keeps one per utterance, the
+//!   code predictor clears its cache every frame).
+//! - [`LoadedGraphs::vocoder_session`] gives a [`VocoderSession`] that decodes a window of frames.
+//! - [`LoadedGraphs::stage_compute`] gives the compute threads of one pipeline stage (pinned to
+//!   the stage's CPUs): the engine pins its own stage thread and runs the stage inside it.
+//!
+//! Sessions are `Send` (each lives on its stage's thread) and are driven by one thread at a
+//! time; loaded graphs are shared (`Send + Sync`). Trait objects rather than a type parameter:
+//! which backend runs is decided at run time from the bundle and the board.
+
+use std::fmt;
+use std::path::{Path, PathBuf};
+
+use crate::frame::Frame;
+use crate::manifest::Manifest;
+
+/// Why a bundle's graphs cannot be loaded. Names the file and the problem.
+#[derive(Debug, thiserror::Error)]
+pub enum BackendError {
+    /// A graph file is missing, unreadable or not in the backend's format (e.g. truncated).
+    #[error("{path}: cannot load: {message}")]
+    Load {
+        /// The graph file.
+        path: PathBuf,
+        /// What the runtime or the decoder reported.
+        message: String,
+    },
+    /// The graph's inputs or outputs differ from what bundle.toml declares.
+    #[error("{path}: {message}")]
+    Mismatch {
+        /// The graph file.
+        path: PathBuf,
+        /// Which input/output differs and how.
+        message: String,
+    },
+    /// The runtime cannot prepare the graph (type, optimize, compile).
+    #[error("{path}: {backend} cannot run this graph: {message}")]
+    Runtime {
+        /// The graph file.
+        path: PathBuf,
+        /// The backend's name (`tract`, `qnn`).
+        backend: &'static str,
+        /// The runtime's error chain.
+        message: String,
+    },
+    /// The manifest asks for something this backend cannot do (a graph it lacks, a contract it
+    /// does not follow), or the OS refused a resource (compute threads).
+    #[error("{0}")]
+    Unsupported(String),
+}
+
+/// Why a step could not run. The session's cache is unchanged when a step fails.
+#[derive(Debug, thiserror::Error)]
+pub enum StepError {
+    /// The sequence would exceed the cache capacity.
+    #[error("{stack}: {needed} positions exceed the KV cache capacity of {capacity}")]
+    Capacity {
+        /// talker / code_predictor.
+        stack: String,
+        /// Positions the step needs.
+        needed: usize,
+        /// Configured capacity.
+        capacity: usize,
+    },
+    /// The step's inputs have the wrong size, or the graph lacks an input or output the step
+    /// contract needs.
+    #[error("{stack}: {message}")]
+    BadInput {
+        /// talker / code_predictor.
+        stack: String,
+        /// What is wrong.
+        message: String,
+    },
+    /// An output failed validation; nothing was written to the cache.
+    #[error("{stack}: output {name} {message}; cache left unchanged")]
+    BadOutput {
+        /// talker / code_predictor.
+        stack: String,
+        /// Output name.
+        name: String,
+        /// What is wrong with it.
+        message: String,
+    },
+    /// The runtime failed to run the graph.
+    #[error("{stack}: {backend}: {message}")]
+    Runtime {
+        /// talker / code_predictor.
+        stack: String,
+        /// The backend's name.
+        backend: &'static str,
+        /// The runtime's error chain.
+        message: String,
+    },
+}
+
+/// The vocoder failed or returned the wrong number of samples; the message says which.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("{0}")]
+pub struct VocoderError(pub String);
+
+/// Which step graph a session runs.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum StackRole {
+    /// The talker (`[talker]` in bundle.toml): prefill over the prompt, then one position per
+    /// frame; returns the codec logits and the post-norm hidden state.
+    Talker,
+    /// The code predictor (`[code_predictor]`): a 2-position prefill and 14 one-position steps
+    /// per frame, head `k` for codebook `k + 1`.
+    CodePredictor,
+}
+
+impl StackRole {
+    /// The stack's key in bundle.toml and in messages: `talker` or `code_predictor`.
+    pub fn key(self) -> &'static str {
+        match self {
+            StackRole::Talker => "talker",
+            StackRole::CodePredictor => "code_predictor",
+        }
+    }
+}
+
+/// What a step session is built for.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct StepSpec {
+    /// Which stack.
+    pub role: StackRole,
+    /// Positions a `full` cache layer can hold (the longest sequence).
+    pub capacity: usize,
+    /// The most positions one step may carry (the longest prefill).
+    pub max_seq: usize,
+    /// Width of `x` (the talker hidden size, for both stacks).
+    pub hidden_in: usize,
+}
+
+/// KV-cache counters of the last step (for tests and statistics).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct KvStats {
+    /// Bytes of new entries the host copied into the KV caches.
+    pub bytes_copied: usize,
+    /// Bytes copied to move filled entries into a grown buffer (0 unless the step grew a cache).
+    pub bytes_regrown: usize,
+    /// Positions in the step.
+    pub positions: usize,
+    /// Slots of the full caches during the step (≥ positions held + positions of the step).
+    pub slots: usize,
+}
+
+/// What a step returns: views into the session's own buffers, valid until its next call.
+#[derive(Debug, Clone, Copy)]
+pub struct StepOutput<'a> {
+    /// Logits of the step's last position, `[V]` float32 (codec vocabulary for the talker,
+    /// codebook size for the code predictor).
+    pub logits: &'a [f32],
+    /// Post-norm hidden state of the last position, `[H]` (the talker's; `None` for a graph
+    /// without a `hidden` output).
+    pub hidden: Option<&'a [f32]>,
+}
+
+/// A step graph with its own KV caches: one sequence at a time, on one thread at a time.
+pub trait StepSession: Send {
+    /// Position the next step starts at (= positions held).
+    fn position(&self) -> usize;
+
+    /// Retire the sequence: empty caches, position 0. Cheap enough to call every frame.
+    fn clear(&mut self);
+
+    /// Run one step over `positions` new positions starting at [`StepSession::position`].
+    ///
+    /// `x` is `[positions, hidden_in]` row-major float32; `head` selects the code predictor's
+    /// head (`None` for the talker). The caches advance only if every output is valid.
+    ///
+    /// # Errors
+    /// [`StepError`]: wrong input size, capacity exceeded, invalid outputs, runtime failure.
+    fn step(&mut self, x: &[f32], positions: usize, head: Option<usize>) -> Result<StepOutput<'_>, StepError>;
+
+    /// KV counters of the last successful step.
+    fn last_stats(&self) -> KvStats;
+}
+
+/// The vocoder: decodes a window of frames to PCM.
+pub trait VocoderSession: Send {
+    /// Decode `window` (context frames then the chunk's `n` frames, oldest first) and write the
+    /// chunk's `n × samples_per_frame` float32 samples in [-1, 1] into `out`.
+    ///
+    /// # Errors
+    /// [`VocoderError`] when the window is longer than the session was built for, the runtime
+    /// fails, or the graph returns another number of samples than the window needs.
+    fn decode(&mut self, window: &[Frame], n: usize, out: &mut [f32]) -> Result<(), VocoderError>;
+}
+
+/// Called on each compute thread of a stage as it starts: pins it to the stage's CPUs.
+pub type PinThread = std::sync::Arc<dyn Fn() + Send + Sync>;
+
+/// The compute threads of one pipeline stage.
+pub trait StageCompute: Send + Sync {
+    /// Run `f` on the calling thread with this stage's compute threads doing the work inside
+    /// it (matrix products). The caller has already pinned its own thread.
+    fn run(&self, f: &mut dyn FnMut());
+}
+
+/// Seconds each graph took to load.
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub struct LoadTimes {
+    /// The talker step graph.
+    pub talker: f64,
+    /// The code-predictor step graph.
+    pub code_predictor: f64,
+    /// The vocoder graph.
+    pub vocoder: f64,
+}
+
+/// A bundle's graphs, loaded by one backend: shared by every session and thread.
+pub trait LoadedGraphs: Send + Sync + fmt::Debug {
+    /// The backend's name (`tract`, `qnn`), for logs and messages.
+    fn backend(&self) -> &'static str;
+
+    /// A step session for one stack.
+    ///
+    /// # Errors
+    /// [`StepError::BadInput`] when the graph lacks an input or output the step contract needs,
+    /// or the runtime cannot prepare a session.
+    fn step_session(&self, spec: &StepSpec) -> Result<Box<dyn StepSession>, StepError>;
+
+    /// A vocoder session for windows of at most `max_window` frames.
+    ///
+    /// # Errors
+    /// [`VocoderError`] when the runtime cannot prepare it.
+    fn vocoder_session(&self, max_window: usize) -> Result<Box<dyn VocoderSession>, VocoderError>;
+
+    /// Compute threads for the stage named `stage` (`talker`, `vocoder`): `cpus.len()` of them
+    /// (one CPU: the stage's own thread alone), each calling `pin` first so that it runs on the
+    /// stage's CPUs (the engine owns CPU affinity); an empty list means the process-wide default.
+    ///
+    /// # Errors
+    /// [`BackendError::Unsupported`] when the threads cannot be started.
+    fn stage_compute(&self, stage: &str, cpus: &[usize], pin: PinThread) -> Result<Box<dyn StageCompute>, BackendError>;
+
+    /// How long each graph took to load.
+    fn load_times(&self) -> LoadTimes;
+}
+
+/// An inference runtime that can load a bundle's graphs.
+pub trait Backend: Send + Sync {
+    /// The backend's name (`tract`, `qnn`).
+    fn name(&self) -> &'static str;
+
+    /// Load the graphs `manifest` names from `dir` (the manifest is already validated, and its
+    /// files exist).
+    ///
+    /// # Errors
+    /// [`BackendError`] naming the graph file at fault.
+    fn load(&self, dir: &Path, manifest: &Manifest) -> Result<Box<dyn LoadedGraphs>, BackendError>;
+}
