@@ -1633,13 +1633,21 @@ mod tests {
             ("amplifier.lead_ms", "120"),
             ("log.level", "warn"),
         ];
-        assert_eq!(values.len(), keys().count());
         let vars: Vec<(String, String)> = values.iter().map(|(k, v)| (env_name(k), v.to_string())).collect();
         let c = Config::load_with_default(Path::new(NO_DEFAULT), None, &vars).unwrap();
         for (key, value) in values {
             assert_eq!(c.origin(key), format!("env {}", env_name(key)), "{key}");
             let got = c.get(key).unwrap();
             assert_eq!(got.trim_matches('"').trim_matches(|c| c == '[' || c == ']'), value, "{key}");
+        }
+        // every declared key, at its default written as a variable would give it
+        let text = |v: String| v.trim_matches('"').trim_matches(|c| c == '[' || c == ']').to_string();
+        let vars: Vec<(String, String)> =
+            keys().map(|k| (env_name(k), Config::default().get(k).map(text).unwrap_or_default())).collect();
+        let c = Config::load_with_default(Path::new(NO_DEFAULT), None, &vars).unwrap();
+        same_settings(&c, &Config::default());
+        for key in keys() {
+            assert_eq!(c.origin(key), format!("env {}", env_name(key)), "{key}");
         }
         assert_eq!(env_name("audio.leading_silence_ms"), "HERALD_AUDIO_LEADING_SILENCE_MS");
     }
