@@ -1701,20 +1701,14 @@ mod tests {
                 assert!(msg.contains(n), "{msg} lists {n}");
             }
         }
+        // the keys of the section, in declaration order, starting with these
+        let audio = section_keys("audio").join(", ");
+        assert!(audio.starts_with("device, format, volume, leading_silence_ms, "), "{audio}");
         let msg = load_err("unknown-audio.toml", "[audio]\nvolume = 1.0\nvolum = 1.0\n");
-        assert!(msg.ends_with(
-            "unknown-audio.toml:3: unknown key audio.volum (keys of [audio]: device, format, volume, leading_silence_ms, \
-             trailing_silence_ms, fade_ms, period_ms, buffer_periods)"
-        ), "{msg}");
+        assert!(msg.ends_with(&format!("unknown-audio.toml:3: unknown key audio.volum (keys of [audio]: {audio})")), "{msg}");
         // dotted keys and inline tables are checked the same way
         let msg = load_err("dotted.toml", "audio.gain = 1.0\n");
-        assert!(
-            msg.ends_with(
-                "dotted.toml:1: unknown key audio.gain (keys of [audio]: device, format, volume, \
-                               leading_silence_ms, trailing_silence_ms, fade_ms, period_ms, buffer_periods)"
-            ),
-            "{msg}"
-        );
+        assert!(msg.ends_with(&format!("dotted.toml:1: unknown key audio.gain (keys of [audio]: {audio})")), "{msg}");
         let msg = load_err("inline.toml", "log = { level = \"info\", colour = true }\n");
         assert!(msg.contains("inline.toml:1: unknown key log.colour"), "{msg}");
     }
