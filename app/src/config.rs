@@ -4,19 +4,27 @@
 //! environment variables < command-line flags. [`Config::load`] applies the first three; the
 //! binary applies its flags afterwards with [`Config::apply_cli`] (or [`Config::set`]).
 //!
-//! Every value goes through one path: a source produces a `Layer`-shaped set of raw values
-//! (the file through serde with `deny_unknown_fields`, the environment and the command line by
-//! hand), and `Config::merge` checks each value (type, range, allowed names) and records where
-//! it came from, so that an error names the source (file and line, variable, command line), the
-//! key, the value and what is allowed.
+//! Every key is declared once, in the `settings!` table below: its section and name, Rust type,
+//! default, rule (range, allowed names, non-empty, …), the [`CliOverrides`] field and the flag
+//! that set it, and its doc comment. The section structs, their defaults, [`CliOverrides`], the
+//! environment variable names (`HERALD_<SECTION>_<KEY>`), parsing of the file, the environment
+//! and `--set`, the checks, `herald config`'s output and docs/config.md's example and key tables
+//! are all made from that table. **To add a key, add one entry there**; then refresh the docs
+//! with `HERALD_TEST_BLESS=1 cargo test --workspace config::tests::docs_are_generated` (the test
+//! fails while docs/config.md differs from the table), and give a command a flag in main.rs if
+//! it should have one.
+//!
+//! Every value goes through one path: a source produces raw values ([`Raw`]: the file through
+//! toml, the environment and `--set` from text, the command line from [`CliOverrides`]), and
+//! `Config::merge` checks each with its key's rule and records where it came from, so that an
+//! error names the source (file and line, variable, command line), the key, the value and what
+//! is allowed.
 
 use std::collections::BTreeMap;
 use std::fmt::{self, Write as _};
 use std::ops::{Range, RangeInclusive};
 use std::path::{Path, PathBuf};
 use std::str::FromStr;
-
-use serde::{Deserialize, Deserializer};
 
 /// The config file read when neither `--config` nor `HERALD_CONFIG` names one (if it exists).
 pub const DEFAULT_PATH: &str = "/etc/herald/herald.toml";
@@ -50,7 +58,7 @@ pub const LEFT_CONTEXT: RangeInclusive<usize> = 1..=512;
 pub const KV_CAPACITY: RangeInclusive<usize> = 64..=65536;
 /// `synthesis.seed` (a TOML integer is an i64, so seeds stop at `i64::MAX`).
 pub const SEED: RangeInclusive<u64> = 0..=(i64::MAX as u64);
-/// `runtime.threads` (0 = one per available core).
+/// `runtime.threads` (0 = derived from the board, stages pinned; see tuning.rs).
 pub const THREADS: RangeInclusive<usize> = 0..=256;
 /// `runtime.frame_pool_mib`: MiB each worker stage's frame pool may keep.
 pub const FRAME_POOL_MIB: RangeInclusive<usize> = 0..=65536;
@@ -63,34 +71,253 @@ pub const AMP_LINE: RangeInclusive<u32> = 0..=4095;
 /// `amplifier.lead_ms`: how long before the first sample the amplifier is enabled.
 pub const AMP_LEAD_MS: RangeInclusive<u32> = 0..=5000;
 
-/// Every key, `section.name`, in documentation order. Sections are the prefixes, in this order.
-pub const KEYS: &[&str] = &[
-    "model.bundle",
-    "audio.device",
-    "audio.format",
-    "audio.volume",
-    "audio.leading_silence_ms",
-    "audio.trailing_silence_ms",
-    "audio.fade_ms",
-    "audio.period_ms",
-    "audio.buffer_periods",
-    "synthesis.language",
-    "synthesis.speaker",
-    "synthesis.mode",
-    "synthesis.sampling",
-    "synthesis.seed",
-    "synthesis.ramp",
-    "synthesis.left_context",
-    "synthesis.kv_capacity",
-    "runtime.threads",
-    "runtime.calibration_dir",
-    "runtime.frame_pool_mib",
-    "amplifier.chip",
-    "amplifier.line",
-    "amplifier.active",
-    "amplifier.lead_ms",
-    "log.level",
-];
+// ---------------------------------------------------------------------------------------------
+// The declaration
+
+/// Makes everything per key from the table below. One entry:
+///
+/// ```text
+/// /// Doc comment: the field's rustdoc and docs/config.md's "What it does".
+/// name: Type = default, rule [, cli FIELD] [, flag "--flag"];
+/// ```
+///
+/// `Type` implements [`Setting`] (strings, paths, `f64`, `u32`, `u64`, `usize`, `Vec<usize>`,
+/// the named enums, and `Option` of those), `rule` is a [`Rule`] for it: `NonEmpty("what")`,
+/// `Any("what")`, `FsPath("what")`, `OneOf` (an enum's names), `Within(RANGE)`, `Ramp`, and
+/// `Opt("what unset means", rule)` for an `Option`. `cli FIELD` adds `CliOverrides::FIELD`;
+/// `flag` names the command-line flag that sets the key (for the docs; a test checks that a
+/// command has it).
+macro_rules! settings {
+    (@opt) => { None };
+    (@opt $x:expr) => { Some($x) };
+    (@cli $ty:ty) => { |_: &CliOverrides| None };
+    (@cli $ty:ty, $cli:ident) => { |o: &CliOverrides| o.$cli.as_ref().map(<$ty as Setting>::given) };
+    ($(
+        $(#[doc = $sdoc:literal])*
+        $section:ident: $Section:ident {
+            $(
+                $(#[doc = $doc:literal])*
+                $field:ident: $ty:ty = $default:expr, $rule:expr $(, cli $cli:ident)? $(, flag $flag:literal)?;
+            )*
+        }
+    )*) => {
+        $(
+            #[doc = concat!("`[", stringify!($section), "]`:")]
+            $(#[doc = $sdoc])*
+            #[derive(Debug, Clone, PartialEq)]
+            pub struct $Section {
+                $(
+                    $(#[doc = $doc])*
+                    pub $field: $ty,
+                )*
+            }
+
+            impl Default for $Section {
+                fn default() -> Self {
+                    $Section { $($field: $default,)* }
+                }
+            }
+        )*
+
+        /// The effective configuration.
+        #[derive(Debug, Clone)]
+        pub struct Config {
+            $(
+                #[doc = concat!("`[", stringify!($section), "]`.")]
+                pub $section: $Section,
+            )*
+            /// The sources applied, in order: `defaults`, `file PATH`, `env HERALD_…` (one per
+            /// variable), `command line`. For `herald info` and the startup log.
+            pub source: Vec<String>,
+            /// The config file that was read, if any.
+            pub file: Option<PathBuf>,
+            /// Where each key not at its default came from (`file:line`, `env HERALD_…`,
+            /// `command line`).
+            origins: BTreeMap<&'static str, String>,
+        }
+
+        impl Default for Config {
+            fn default() -> Self {
+                Config {
+                    $($section: $Section::default(),)*
+                    source: vec!["defaults".into()],
+                    file: None,
+                    origins: BTreeMap::new(),
+                }
+            }
+        }
+
+        /// Command-line overrides, applied last by [`Config::apply_cli`]. `None` leaves a value
+        /// alone; for an optional key, `Some("")` clears it. Values are checked like every other
+        /// source (`command line: audio.volume = 3.5 is out of …`).
+        #[derive(Debug, Clone, Default)]
+        pub struct CliOverrides {
+            $($($(
+                #[doc = concat!("`", stringify!($section), ".", stringify!($field), "`.")]
+                pub $cli: Option<<$ty as Setting>::Given>,
+            )?)*)*
+        }
+
+        /// The sections with their doc comments, in documentation order.
+        static SECTIONS: &[(&str, &[&str])] = &[$((stringify!($section), &[$($sdoc),*]),)*];
+
+        /// Every key, in documentation order.
+        static SETTINGS: &[Key] = &[$($(
+            Key {
+                name: concat!(stringify!($section), ".", stringify!($field)),
+                doc: &[$($doc),*],
+                flag: settings!(@opt $($flag)?),
+                shape: <$ty as Setting>::SHAPE,
+                optional: <$ty as Setting>::OPTIONAL,
+                doc_type: <$ty as Setting>::DOC_TYPE,
+                set: |c: &mut Config, raw: Raw, base: Option<&Path>| {
+                    c.$section.$field = checked(&$rule, raw, base)?;
+                    Ok(())
+                },
+                get: |c: &Config| c.$section.$field.to_toml(),
+                describe: || rule_doc::<$ty, _>(&$rule),
+                cli: settings!(@cli $ty $(, $cli)?),
+            },
+        )*)*];
+    };
+}
+
+settings! {
+    /// The model bundle.
+    model: ModelConfig {
+        /// The model bundle directory (holds `bundle.toml`, see [bundle.md](bundle.md)).
+        bundle: PathBuf = PathBuf::from(DEFAULT_BUNDLE), FsPath("non-empty path"), cli bundle, flag "--bundle";
+    }
+
+    /// The audio output: the ALSA device and how each utterance is shaped (gain, silences,
+    /// fades) and buffered.
+    audio: AudioConfig {
+        /// The ALSA device: `default`, `hw:0,0`, `plughw:CARD=…,DEV=…`, a name from `asound.conf`.
+        device: String = "default".into(), NonEmpty("non-empty ALSA PCM name"), cli device, flag "--device";
+        /// Sample format written to the device: `s16` = signed 16-bit little-endian (`S16_LE`,
+        /// every device takes it), `f32` = 32-bit float (`FLOAT_LE`).
+        format: SampleFormat = SampleFormat::S16, OneOf, cli format;
+        /// Linear gain applied to the samples: `1.0` leaves them as the model made them, `0.5` is
+        /// about −6 dB, above `1.0` amplifies (samples are clipped at full scale). An integer such
+        /// as `1` is accepted.
+        volume: f64 = 1.0, Within(VOLUME), cli volume, flag "--volume";
+        /// Silence played before each utterance, in milliseconds: gives amplifiers that power up
+        /// with the stream time to wake, so the first syllable is not lost.
+        leading_silence_ms: u32 = 0, Within(SILENCE_MS), cli leading_silence_ms;
+        /// Silence played after each utterance, in milliseconds, before the stream is drained and
+        /// closed.
+        trailing_silence_ms: u32 = 0, Within(SILENCE_MS), cli trailing_silence_ms;
+        /// Length of the fade-in at the start and the fade-out at the end (and when speech is
+        /// cancelled), in milliseconds, so that no click is heard. `0` turns fading off.
+        fade_ms: u32 = 5, Within(FADE_MS), cli fade_ms;
+        /// ALSA period length in milliseconds: how much audio is handed to the device at a time.
+        /// Shorter periods lower the latency and raise the wake-ups.
+        period_ms: u32 = 20, Within(PERIOD_MS), cli period_ms;
+        /// ALSA buffer length in periods (buffer = `period_ms` × `buffer_periods`, 80 ms by
+        /// default). A longer buffer rides out scheduling hiccups at the price of latency.
+        buffer_periods: u32 = 4, Within(BUFFER_PERIODS), cli buffer_periods;
+    }
+
+    /// How text becomes speech: language, voice, prompt mode, sampling, and the vocoder's chunk
+    /// schedule and cache.
+    synthesis: SynthesisConfig {
+        /// The language of the text, as named in the bundle's `[languages]` (lower-case, e.g.
+        /// `"english"`, `"chinese"`; `herald info` lists them). `auto` lets the model decide.
+        /// Checked against the bundle when it is loaded.
+        language: String = "auto".into(), NonEmpty("`\"auto\"` or a language of the bundle"), cli language,
+            flag "--language";
+        /// The voice, as named in the bundle's `[speakers]` (CustomVoice models; `herald info`
+        /// lists them). To have no speaker, leave the key out (TOML has no null); an empty string,
+        /// `speaker = ""` or `HERALD_SYNTHESIS_SPEAKER=`, also means no speaker, which lets the
+        /// environment undo a speaker set in the file. Checked against the bundle when it is
+        /// loaded.
+        speaker: Option<String> = None, Opt("", Any("a speaker of the bundle")), cli speaker, flag "--speaker";
+        /// How the text enters the model: `streaming` feeds it token by token as frames are
+        /// produced (upstream's default; speech starts sooner), `non-streaming` puts the whole
+        /// text in the prompt first.
+        mode: SynthesisMode = SynthesisMode::Streaming, OneOf, cli mode, flag "--mode";
+        /// `sample` draws codes with the bundle's sampling parameters (temperature, top-k, top-p,
+        /// repetition penalty from its `[sampling]`), as the official model does; `greedy` always
+        /// takes the most likely code: deterministic without a seed, but often flat or stuck in
+        /// loops. (`--seed` implies `sample`.)
+        sampling: Sampling = Sampling::Sample, OneOf, cli sampling, flag "--greedy";
+        /// Seed of the sampler (ignored with `greedy`). Not set: every utterance gets a fresh seed
+        /// from the clock, and herald logs it (`seed=…`, at `info`), so that a run can be
+        /// reproduced by setting `seed` to the logged value. Set: every utterance uses this seed,
+        /// so the same text gives the same audio. The upper limit is TOML's largest integer.
+        /// `HERALD_SYNTHESIS_SEED=` (empty) unsets it.
+        seed: Option<u64> = None, Opt("a fresh seed per utterance", Within(SEED)), cli seed, flag "--seed";
+        /// Sizes, in frames (one frame = 80 ms of audio), of the chunks the vocoder turns into
+        /// sound; the last size repeats. Small first chunks start the audio sooner; larger later
+        /// chunks cost less. When it is not set anywhere, `herald calibrate`'s schedule for this
+        /// board is used if one is stored (`runtime.calibration_dir`). In a variable:
+        /// comma-separated, `2,4,8` (brackets allowed).
+        ramp: Vec<usize> = vec![2, 4, 8, 16, 25], Ramp, cli ramp;
+        /// Frames of already-played audio the vocoder sees before each chunk, so that chunk
+        /// borders are seamless. Less is faster and may be audible at the borders.
+        left_context: usize = 72, Within(LEFT_CONTEXT), cli left_context;
+        /// The most positions the talker's KV cache may hold (prompt + frames); the cache grows by
+        /// doubling up to it (docs/engine.md), and herald lowers it to what fits in this board's
+        /// memory. It bounds the length of an utterance (4096 positions ≈ 5 minutes of speech) and
+        /// the memory use (`herald info` prints the cost per position).
+        kv_capacity: usize = 4096, Within(KV_CAPACITY), cli kv_capacity;
+    }
+
+    /// Compute threads, the stored calibration and the memory pools.
+    runtime: RuntimeConfig {
+        /// Threads for the model computation. `0`: herald places the work itself (see
+        /// [board.md](board.md)): the talker stage is pinned to two thirds of the big cores
+        /// herald may use (its CPU affinity included; `herald probe` prints the sets), the
+        /// vocoder stage to the rest (a single CPU is shared), and each stage computes with one
+        /// thread per CPU of its set. `N`: no pinning, `N` compute threads shared by both stages
+        /// (for experiments and benchmarks).
+        threads: usize = 0, Within(THREADS), cli threads;
+        /// Where `herald calibrate` stores this board's chunk schedule, one `<fingerprint>.json`
+        /// per hardware + bundle pair (16 hex digits; `herald probe` prints the fingerprint).
+        /// `speak` uses the file that matches when `synthesis.ramp` is not set explicitly, and
+        /// says so in its log; a missing directory or file means the defaults, a corrupt or
+        /// foreign file is ignored with one warning. A relative path in a file is relative to
+        /// that file's directory.
+        calibration_dir: PathBuf = PathBuf::from(DEFAULT_CALIBRATION_DIR), FsPath("a directory");
+        /// MiB of freed memory the decode stage and the vocoder stage may each keep for reuse
+        /// (their frame pools, [engine.md](engine.md#allocations)): tract asks for thousands of
+        /// blocks per frame, and a pool that holds a stage's working set serves them all without
+        /// the system allocator (no lock, no page fault) once the stage is warm. A block above a
+        /// quarter of this is never kept. More holds more of the vocoder's working set at the
+        /// price of peak memory; `0` turns pooling off.
+        frame_pool_mib: usize = DEFAULT_FRAME_POOL_MIB, Within(FRAME_POOL_MIB);
+    }
+
+    /// An optional GPIO line that enables the speaker amplifier: herald drives it active
+    /// `lead_ms` before the first sample of an utterance and inactive once the audio has
+    /// drained, so the amplifier is off (silent, cool, no hiss) between utterances. The chip is
+    /// found by its label (`gpiodetect` lists them), never by number: numbers change between
+    /// kernels (the Pi 5 header moved from `gpiochip4` to `gpiochip0` in 2024). A missing chip
+    /// or line stops herald at start-up with exit code 3, before any synthesis.
+    amplifier: AmplifierConfig {
+        /// The label of the GPIO chip, e.g. `"pinctrl-rp1"` (Raspberry Pi 5 header),
+        /// `"tegra234-gpio"` (Jetson Orin). Not set (or empty): no amplifier line.
+        chip: Option<String> = None, Opt("no amplifier line", Any("a GPIO chip label"));
+        /// The line offset within that chip (for the Pi 5 header: the BCM GPIO number).
+        line: u32 = 0, Within(AMP_LINE);
+        /// The level that enables the amplifier; `low` for an active-low enable or shutdown pin.
+        active: ActiveLevel = ActiveLevel::High, OneOf;
+        /// Milliseconds between enabling the amplifier and the first sample, for amplifiers that
+        /// pop or clip the first syllable while they wake up.
+        lead_ms: u32 = 50, Within(AMP_LEAD_MS);
+    }
+
+    /// Logging.
+    log: LogConfig {
+        /// How much herald logs (to stderr / the journal). When the `RUST_LOG` environment
+        /// variable is set and not empty it wins over this key, and may be a full filter such as
+        /// `RUST_LOG=info,engine=debug`.
+        level: LogLevel = LogLevel::Info, OneOf, cli log_level;
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Errors
 
 /// What went wrong while building the configuration. Every message names its source: a file
 /// (with the line where toml gives one), an environment variable or the command line.
@@ -186,19 +413,12 @@ fn location(path: &Path, line: Option<usize>, column: Option<usize>) -> String {
 
 /// The sections, in documentation order.
 pub fn sections() -> Vec<&'static str> {
-    let mut out: Vec<&'static str> = Vec::new();
-    for key in KEYS {
-        let (section, _) = key.split_once('.').unwrap_or((key, ""));
-        if !out.contains(&section) {
-            out.push(section);
-        }
-    }
-    out
+    SECTIONS.iter().map(|(name, _)| *name).collect()
 }
 
 /// The key names of `section` (without the `section.` prefix), in documentation order.
 pub fn section_keys(section: &str) -> Vec<&'static str> {
-    KEYS.iter().filter_map(|k| k.split_once('.').filter(|(s, _)| *s == section).map(|(_, n)| n)).collect()
+    SETTINGS.iter().filter(|k| k.section() == section).map(Key::short_name).collect()
 }
 
 fn section_names() -> String {
@@ -215,9 +435,9 @@ fn env_allowed_names() -> String {
     v.join(", ")
 }
 
-/// Every key, `section.name`, in documentation order ([`KEYS`]).
+/// Every key, `section.name`, in documentation order.
 pub fn keys() -> impl Iterator<Item = &'static str> {
-    KEYS.iter().copied()
+    SETTINGS.iter().map(|k| k.name)
 }
 
 /// The environment variable of a key: `audio.volume` → `HERALD_AUDIO_VOLUME`.
@@ -229,9 +449,9 @@ fn env_names() -> Vec<String> {
     keys().map(env_name).collect()
 }
 
-/// The static key for a `section.name` string.
-fn static_key(key: &str) -> Option<&'static str> {
-    keys().find(|k| *k == key)
+/// The declared key named `section.name`.
+fn setting(key: &str) -> Option<&'static Key> {
+    SETTINGS.iter().find(|k| k.name == key)
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -245,6 +465,12 @@ pub struct UnknownName {
     pub value: String,
     /// The accepted names.
     pub allowed: &'static [&'static str],
+}
+
+/// A value that is one of a few names (the enums below).
+trait Named: FromStr<Err = UnknownName> {
+    /// The accepted names, as written in the config.
+    const NAMES: &'static [&'static str];
 }
 
 macro_rules! named {
@@ -264,6 +490,22 @@ macro_rules! named {
                 match self {
                     $($name::$variant => $text),+
                 }
+            }
+        }
+
+        impl Named for $name {
+            const NAMES: &'static [&'static str] = $name::NAMES;
+        }
+
+        impl Setting for $name {
+            const SHAPE: Shape = Shape::Str;
+            const DOC_TYPE: &'static str = "string";
+            type Given = $name;
+            fn given(g: &$name) -> Raw {
+                Raw::Str(g.as_str().into())
+            }
+            fn to_toml(&self) -> Option<toml::Value> {
+                Some(toml::Value::String(self.as_str().into()))
             }
         }
 
@@ -342,182 +584,458 @@ named! {
 }
 
 // ---------------------------------------------------------------------------------------------
-// The configuration
+// Raw values, types and rules
 
-/// `[model]`.
+/// A value as a source gave it, before its key's rule checked it. Integers are wide enough for
+/// every integer type of a key, so that a range error shows the value as given.
 #[derive(Debug, Clone, PartialEq)]
-pub struct ModelConfig {
-    /// Bundle directory (holds `bundle.toml`).
-    pub bundle: PathBuf,
+pub enum Raw {
+    /// A string (also names and paths).
+    Str(String),
+    /// An integer.
+    Int(i128),
+    /// A number.
+    Float(f64),
+    /// An array of integers.
+    Ints(Vec<i128>),
+    /// An empty environment value of an optional key: unset it.
+    Unset,
 }
 
-/// `[audio]`.
-#[derive(Debug, Clone, PartialEq)]
-pub struct AudioConfig {
-    /// ALSA PCM name.
-    pub device: String,
-    /// Sample format written to the device.
-    pub format: SampleFormat,
-    /// Linear gain, [`VOLUME`].
-    pub volume: f64,
-    /// Silence before each utterance, ms ([`SILENCE_MS`]).
-    pub leading_silence_ms: u32,
-    /// Silence after each utterance, ms ([`SILENCE_MS`]).
-    pub trailing_silence_ms: u32,
-    /// Fade-in and fade-out length, ms ([`FADE_MS`]).
-    pub fade_ms: u32,
-    /// ALSA period, ms ([`PERIOD_MS`]).
-    pub period_ms: u32,
-    /// ALSA buffer length in periods ([`BUFFER_PERIODS`]).
-    pub buffer_periods: u32,
-}
-
-/// `[synthesis]`.
-#[derive(Debug, Clone, PartialEq)]
-pub struct SynthesisConfig {
-    /// `auto` or a language name of the bundle.
-    pub language: String,
-    /// A speaker name of the bundle; `None`: no speaker.
-    pub speaker: Option<String>,
-    /// How the text enters the model.
-    pub mode: SynthesisMode,
-    /// Sampling or greedy decoding.
-    pub sampling: Sampling,
-    /// Sampling seed; `None`: a fresh seed per utterance ([`SynthesisConfig::utterance_seed`]).
-    pub seed: Option<u64>,
-    /// Vocoder chunk sizes in frames, the last repeated.
-    pub ramp: Vec<usize>,
-    /// Vocoder left context in frames.
-    pub left_context: usize,
-    /// Talker KV cache capacity in positions (prompt + frames).
-    pub kv_capacity: usize,
-}
-
-/// `[runtime]`.
-#[derive(Debug, Clone, PartialEq)]
-pub struct RuntimeConfig {
-    /// Compute threads; 0 = one per available core ([`RuntimeConfig::effective_threads`]).
-    pub threads: usize,
-    /// Directory of the calibration files (`<fingerprint>.json`, `herald calibrate`).
-    pub calibration_dir: PathBuf,
-    /// MiB of freed blocks the decode and the vocoder stage's frame pools may each keep
-    /// (engine::pool; 0: no pooling).
-    pub frame_pool_mib: usize,
-}
-
-/// `[amplifier]`: the optional amplifier-enable GPIO line.
-#[derive(Debug, Clone, PartialEq)]
-pub struct AmplifierConfig {
-    /// Label of the GPIO chip (`pinctrl-rp1` on a Pi 5); `None`: no amplifier line.
-    pub chip: Option<String>,
-    /// Line offset within the chip.
-    pub line: u32,
-    /// The level that enables the amplifier.
-    pub active: ActiveLevel,
-    /// Milliseconds the line is enabled before the first sample is written.
-    pub lead_ms: u32,
-}
-
-/// `[log]`.
-#[derive(Debug, Clone, PartialEq)]
-pub struct LogConfig {
-    /// Log level; `RUST_LOG`, when set, wins ([`LogConfig::filter`]).
-    pub level: LogLevel,
-}
-
-/// The effective configuration.
-#[derive(Debug, Clone)]
-pub struct Config {
-    /// `[model]`.
-    pub model: ModelConfig,
-    /// `[audio]`.
-    pub audio: AudioConfig,
-    /// `[synthesis]`.
-    pub synthesis: SynthesisConfig,
-    /// `[runtime]`.
-    pub runtime: RuntimeConfig,
-    /// `[amplifier]`.
-    pub amplifier: AmplifierConfig,
-    /// `[log]`.
-    pub log: LogConfig,
-    /// The sources applied, in order: `defaults`, `file PATH`, `env HERALD_…` (one per
-    /// variable), `command line`. For `herald info` and the startup log.
-    pub source: Vec<String>,
-    /// The config file that was read, if any.
-    pub file: Option<PathBuf>,
-    /// Where each key not at its default came from (`file:line`, `env HERALD_…`, `command line`).
-    origins: BTreeMap<&'static str, String>,
-}
-
-impl Default for ModelConfig {
-    fn default() -> Self {
-        ModelConfig { bundle: PathBuf::from(DEFAULT_BUNDLE) }
-    }
-}
-
-impl Default for AudioConfig {
-    fn default() -> Self {
-        AudioConfig {
-            device: "default".into(),
-            format: SampleFormat::S16,
-            volume: 1.0,
-            leading_silence_ms: 0,
-            trailing_silence_ms: 0,
-            fade_ms: 5,
-            period_ms: 20,
-            buffer_periods: 4,
+impl fmt::Display for Raw {
+    /// As the value appears in messages: strings quoted, floats as TOML writes them.
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Raw::Str(s) => write!(f, "{s:?}"),
+            Raw::Int(n) => write!(f, "{n}"),
+            Raw::Float(v) => f.write_str(&render_f64(*v)),
+            Raw::Ints(v) => f.write_str(&ints_text(v)),
+            Raw::Unset => f.write_str("\"\""),
         }
     }
 }
 
-impl Default for SynthesisConfig {
-    fn default() -> Self {
-        SynthesisConfig {
-            language: "auto".into(),
-            speaker: None,
-            mode: SynthesisMode::Streaming,
-            sampling: Sampling::Sample,
-            seed: None,
-            ramp: vec![2, 4, 8, 16, 25],
-            left_context: 72,
-            kv_capacity: 4096,
+/// The form of a key's raw value: how it is read from TOML and from text.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Shape {
+    /// A string.
+    Str,
+    /// An integer.
+    Int,
+    /// A number (an integer is accepted).
+    Float,
+    /// An array of integers (in text: comma-separated).
+    Ints,
+}
+
+impl Shape {
+    /// For "wrong type" and parse messages.
+    fn expected(self) -> &'static str {
+        match self {
+            Shape::Str => "a string",
+            Shape::Int => "an integer",
+            Shape::Float => "a number",
+            Shape::Ints => "an array of integers",
+        }
+    }
+
+    /// A TOML value of this shape; `None` for the wrong type.
+    fn read_toml(self, v: &toml::Value) -> Option<Raw> {
+        use toml::Value as V;
+        match (self, v) {
+            (Shape::Str, V::String(s)) => Some(Raw::Str(s.clone())),
+            (Shape::Int, V::Integer(n)) => Some(Raw::Int((*n).into())),
+            (Shape::Float, V::Float(x)) => Some(Raw::Float(*x)),
+            (Shape::Float, V::Integer(n)) => Some(Raw::Float(*n as f64)),
+            (Shape::Ints, V::Array(a)) => {
+                a.iter().map(|x| x.as_integer().map(i128::from)).collect::<Option<Vec<_>>>().map(Raw::Ints)
+            }
+            _ => None,
+        }
+    }
+
+    /// An environment or `--set` value of this shape.
+    fn read_text(self, raw: &str) -> Result<Raw, Bad> {
+        let int = |s: &str| s.trim().parse::<i64>().map(i128::from);
+        match self {
+            Shape::Str => Ok(Raw::Str(raw.to_string())),
+            Shape::Int => int(raw).map(Raw::Int).map_err(|_| (quoted(raw), format!("is not {}", self.expected()))),
+            Shape::Float => {
+                raw.trim().parse::<f64>().map(Raw::Float).map_err(|_| (quoted(raw), "is not a number".to_string()))
+            }
+            Shape::Ints => {
+                let inner = raw.trim();
+                let inner = inner.strip_prefix('[').and_then(|i| i.strip_suffix(']')).unwrap_or(inner).trim();
+                if inner.is_empty() {
+                    return Ok(Raw::Ints(Vec::new()));
+                }
+                inner.split(',').map(int).collect::<Result<Vec<_>, _>>().map(Raw::Ints).map_err(|_| {
+                    (quoted(raw), "is not a comma-separated list of integers (e.g. 2,4,8,16,25)".to_string())
+                })
+            }
         }
     }
 }
 
-impl Default for RuntimeConfig {
-    fn default() -> Self {
-        RuntimeConfig { threads: 0, calibration_dir: PathBuf::from(DEFAULT_CALIBRATION_DIR), frame_pool_mib: DEFAULT_FRAME_POOL_MIB }
+/// A Rust type a key may have: the shape of its raw values, what a flag gives, and how a value
+/// prints as TOML.
+pub trait Setting: Sized {
+    /// The shape of raw values.
+    const SHAPE: Shape;
+    /// An `Option`: the key may be unset.
+    const OPTIONAL: bool = false;
+    /// docs/config.md's "Type" column.
+    const DOC_TYPE: &'static str;
+    /// The type of a [`CliOverrides`] field (without its `Option`).
+    type Given;
+    /// A flag's value as a raw value.
+    fn given(g: &Self::Given) -> Raw;
+    /// The value as TOML; `None` when an optional key is unset.
+    fn to_toml(&self) -> Option<toml::Value>;
+}
+
+impl Setting for String {
+    const SHAPE: Shape = Shape::Str;
+    const DOC_TYPE: &'static str = "string";
+    type Given = String;
+    fn given(g: &String) -> Raw {
+        Raw::Str(g.clone())
+    }
+    fn to_toml(&self) -> Option<toml::Value> {
+        Some(toml::Value::String(self.clone()))
     }
 }
 
-impl Default for AmplifierConfig {
-    fn default() -> Self {
-        AmplifierConfig { chip: None, line: 0, active: ActiveLevel::High, lead_ms: 50 }
+impl Setting for PathBuf {
+    const SHAPE: Shape = Shape::Str;
+    const DOC_TYPE: &'static str = "path";
+    type Given = PathBuf;
+    fn given(g: &PathBuf) -> Raw {
+        Raw::Str(g.to_string_lossy().into_owned())
+    }
+    fn to_toml(&self) -> Option<toml::Value> {
+        Some(toml::Value::String(self.to_string_lossy().into_owned()))
     }
 }
 
-impl Default for LogConfig {
-    fn default() -> Self {
-        LogConfig { level: LogLevel::Info }
+impl Setting for f64 {
+    const SHAPE: Shape = Shape::Float;
+    const DOC_TYPE: &'static str = "float";
+    type Given = f64;
+    fn given(g: &f64) -> Raw {
+        Raw::Float(*g)
+    }
+    fn to_toml(&self) -> Option<toml::Value> {
+        Some(toml::Value::Float(*self))
     }
 }
 
-impl Default for Config {
-    fn default() -> Self {
-        Config {
-            model: ModelConfig::default(),
-            audio: AudioConfig::default(),
-            synthesis: SynthesisConfig::default(),
-            runtime: RuntimeConfig::default(),
-            amplifier: AmplifierConfig::default(),
-            log: LogConfig::default(),
-            source: vec!["defaults".into()],
-            file: None,
-            origins: BTreeMap::new(),
+macro_rules! integer_setting {
+    ($($t:ty),+) => {$(
+        impl Setting for $t {
+            const SHAPE: Shape = Shape::Int;
+            const DOC_TYPE: &'static str = "integer";
+            type Given = $t;
+            fn given(g: &$t) -> Raw {
+                Raw::Int(i128::try_from(*g).unwrap_or(i128::MAX))
+            }
+            fn to_toml(&self) -> Option<toml::Value> {
+                Some(toml::Value::Integer(i64::try_from(*self).unwrap_or(i64::MAX)))
+            }
+        }
+
+        impl Rule<$t> for Within<$t> {
+            fn check(&self, raw: Raw, _: Option<&Path>) -> Result<$t, Bad> {
+                match raw {
+                    Raw::Int(v) => match <$t>::try_from(v) {
+                        Ok(t) if self.0.contains(&t) => Ok(t),
+                        _ => Err((v.to_string(), format!("is out of range ({})", range_text(&self.0)))),
+                    },
+                    other => wrong_shape(other, Shape::Int),
+                }
+            }
+            fn allowed(&self) -> String {
+                format!("`{}`", range_text(&self.0))
+            }
+        }
+    )+};
+}
+
+integer_setting!(u32, u64, usize);
+
+impl Setting for Vec<usize> {
+    const SHAPE: Shape = Shape::Ints;
+    const DOC_TYPE: &'static str = "array of integers";
+    type Given = Vec<usize>;
+    fn given(g: &Vec<usize>) -> Raw {
+        Raw::Ints(g.iter().map(|&x| i128::try_from(x).unwrap_or(i128::MAX)).collect())
+    }
+    fn to_toml(&self) -> Option<toml::Value> {
+        let int = |&x: &usize| toml::Value::Integer(i64::try_from(x).unwrap_or(i64::MAX));
+        Some(toml::Value::Array(self.iter().map(int).collect()))
+    }
+}
+
+impl<T: Setting> Setting for Option<T> {
+    const SHAPE: Shape = T::SHAPE;
+    const OPTIONAL: bool = true;
+    const DOC_TYPE: &'static str = T::DOC_TYPE;
+    type Given = T::Given;
+    fn given(g: &T::Given) -> Raw {
+        T::given(g)
+    }
+    fn to_toml(&self) -> Option<toml::Value> {
+        self.as_ref().and_then(T::to_toml)
+    }
+}
+
+/// A bad value: (the value as given, what is wrong with it).
+type Bad = (String, String);
+
+/// How a key of type `T` checks its raw values.
+trait Rule<T> {
+    /// The checked value. `base`: the directory a relative path is relative to (a file's).
+    fn check(&self, raw: Raw, base: Option<&Path>) -> Result<T, Bad>;
+    /// docs/config.md's "Allowed" column.
+    fn allowed(&self) -> String;
+    /// For an optional key: what being unset means (`herald config` prints it).
+    fn unset_note(&self) -> Option<&'static str> {
+        None
+    }
+}
+
+fn checked<T, R: Rule<T>>(rule: &R, raw: Raw, base: Option<&Path>) -> Result<T, Bad> {
+    rule.check(raw, base)
+}
+
+fn rule_doc<T, R: Rule<T>>(rule: &R) -> RuleDoc {
+    RuleDoc { allowed: rule.allowed(), unset_note: rule.unset_note() }
+}
+
+/// A raw value of another shape than the key's: cannot happen, as every source reads the
+/// key's shape, but it is an error rather than a panic.
+fn wrong_shape<T>(raw: Raw, shape: Shape) -> Result<T, Bad> {
+    Err((raw.to_string(), format!("has the wrong type (expected {})", shape.expected())))
+}
+
+/// A non-empty string (the text describes what is allowed).
+struct NonEmpty(&'static str);
+
+impl Rule<String> for NonEmpty {
+    fn check(&self, raw: Raw, _: Option<&Path>) -> Result<String, Bad> {
+        match raw {
+            Raw::Str(v) if v.trim().is_empty() => Err((quoted(&v), "must not be empty".into())),
+            Raw::Str(v) => Ok(v),
+            other => wrong_shape(other, Shape::Str),
         }
     }
+    fn allowed(&self) -> String {
+        self.0.into()
+    }
 }
+
+/// Any string (the text describes what is allowed; the bundle checks it later).
+struct Any(&'static str);
+
+impl Rule<String> for Any {
+    fn check(&self, raw: Raw, _: Option<&Path>) -> Result<String, Bad> {
+        match raw {
+            Raw::Str(v) => Ok(v),
+            other => wrong_shape(other, Shape::Str),
+        }
+    }
+    fn allowed(&self) -> String {
+        self.0.into()
+    }
+}
+
+/// A non-empty path; in a file relative to the file's directory, else to the working
+/// directory; stored absolute, so that `herald config` prints a path that means the same from
+/// anywhere.
+struct FsPath(&'static str);
+
+impl Rule<PathBuf> for FsPath {
+    fn check(&self, raw: Raw, base: Option<&Path>) -> Result<PathBuf, Bad> {
+        let p = PathBuf::from(NonEmpty(self.0).check(raw, base)?);
+        let p = match base {
+            Some(d) if p.is_relative() => d.join(p),
+            _ => p,
+        };
+        Ok(std::path::absolute(&p).unwrap_or(p))
+    }
+    fn allowed(&self) -> String {
+        self.0.into()
+    }
+}
+
+/// One of the names of an enum.
+struct OneOf;
+
+impl<T: Named> Rule<T> for OneOf {
+    fn check(&self, raw: Raw, _: Option<&Path>) -> Result<T, Bad> {
+        match raw {
+            Raw::Str(v) => v.parse::<T>().map_err(|e| (quoted(&v), format!("is not one of: {}", e.allowed.join(", ")))),
+            other => wrong_shape(other, Shape::Str),
+        }
+    }
+    fn allowed(&self) -> String {
+        T::NAMES.iter().map(|n| format!("`{n:?}`")).collect::<Vec<_>>().join(", ")
+    }
+}
+
+/// A number in a range.
+struct Within<T>(RangeInclusive<T>);
+
+impl Rule<f64> for Within<f64> {
+    fn check(&self, raw: Raw, _: Option<&Path>) -> Result<f64, Bad> {
+        match raw {
+            Raw::Float(v) if v.is_finite() && self.0.contains(&v) => Ok(v),
+            Raw::Float(v) => {
+                Err((render_f64(v), format!("is out of range ({:?}..={:?})", self.0.start(), self.0.end())))
+            }
+            other => wrong_shape(other, Shape::Float),
+        }
+    }
+    fn allowed(&self) -> String {
+        format!("`{:?}..={:?}`", self.0.start(), self.0.end())
+    }
+}
+
+/// `synthesis.ramp`: [`RAMP_LEN`] entries, each in [`RAMP_FRAMES`].
+struct Ramp;
+
+impl Rule<Vec<usize>> for Ramp {
+    fn check(&self, raw: Raw, _: Option<&Path>) -> Result<Vec<usize>, Bad> {
+        match raw {
+            Raw::Ints(v) => ramp(v),
+            other => wrong_shape(other, Shape::Ints),
+        }
+    }
+    fn allowed(&self) -> String {
+        format!(
+            "{} to {} entries, each `{}`",
+            RAMP_LEN.start(),
+            RAMP_LEN.end(),
+            range_text(&RAMP_FRAMES)
+        )
+    }
+}
+
+/// An optional key: unset by an empty value, else checked by the inner rule. The text says
+/// what unset means (empty: nothing to say).
+struct Opt<R>(&'static str, R);
+
+impl<T, R: Rule<T>> Rule<Option<T>> for Opt<R> {
+    fn check(&self, raw: Raw, base: Option<&Path>) -> Result<Option<T>, Bad> {
+        match raw {
+            Raw::Unset => Ok(None),
+            Raw::Str(s) if s.is_empty() => Ok(None),
+            raw => self.1.check(raw, base).map(Some),
+        }
+    }
+    fn allowed(&self) -> String {
+        self.1.allowed()
+    }
+    fn unset_note(&self) -> Option<&'static str> {
+        Some(self.0).filter(|n| !n.is_empty())
+    }
+}
+
+/// What a key's rule allows, for the docs and `herald config`.
+struct RuleDoc {
+    /// docs/config.md's "Allowed" column.
+    allowed: String,
+    /// What unset means, for an optional key.
+    unset_note: Option<&'static str>,
+}
+
+/// One key, made by `settings!` from its declaration.
+struct Key {
+    /// `section.name`.
+    name: &'static str,
+    /// The doc comment's lines.
+    doc: &'static [&'static str],
+    /// The command-line flag that sets it (`--volume`), if any.
+    flag: Option<&'static str>,
+    /// The shape of its raw values.
+    shape: Shape,
+    /// It may be unset.
+    optional: bool,
+    /// docs/config.md's "Type" column.
+    doc_type: &'static str,
+    /// Check a raw value with the key's rule and store it.
+    set: fn(&mut Config, Raw, Option<&Path>) -> Result<(), Bad>,
+    /// The value as TOML; `None` when unset.
+    get: fn(&Config) -> Option<toml::Value>,
+    /// What its rule allows.
+    describe: fn() -> RuleDoc,
+    /// Its [`CliOverrides`] field as a raw value, when set.
+    cli: fn(&CliOverrides) -> Option<Raw>,
+}
+
+impl Key {
+    fn section(&self) -> &'static str {
+        self.name.split_once('.').map_or(self.name, |(s, _)| s)
+    }
+
+    fn short_name(&self) -> &'static str {
+        self.name.split_once('.').map_or(self.name, |(_, n)| n)
+    }
+
+    /// An environment or `--set` value; empty unsets an optional key that is not a string
+    /// (a string key gets the empty string, which unsets or is refused by its rule).
+    fn parse_text(&self, raw: &str) -> Result<Raw, Bad> {
+        if self.optional && self.shape != Shape::Str && raw.trim().is_empty() {
+            return Ok(Raw::Unset);
+        }
+        self.shape.read_text(raw)
+    }
+}
+
+/// The raw values of one source, by key.
+type Layer = BTreeMap<&'static str, Raw>;
+
+fn quoted(s: &str) -> String {
+    format!("{s:?}")
+}
+
+fn render_f64(v: f64) -> String {
+    toml::Value::Float(v).to_string()
+}
+
+fn range_text<T: fmt::Display>(r: &RangeInclusive<T>) -> String {
+    format!("{}..={}", r.start(), r.end())
+}
+
+fn ints_text(v: &[i128]) -> String {
+    format!("[{}]", v.iter().map(i128::to_string).collect::<Vec<_>>().join(", "))
+}
+
+fn ramp(v: Vec<i128>) -> Result<Vec<usize>, Bad> {
+    let shown = ints_text(&v);
+    if v.is_empty() {
+        return Err((shown, "must not be empty (chunk sizes in frames, e.g. [2, 4, 8, 16, 25])".into()));
+    }
+    if !RAMP_LEN.contains(&v.len()) {
+        return Err((shown, format!("has {} entries (allowed: {})", v.len(), range_text(&RAMP_LEN))));
+    }
+    let mut out = Vec::with_capacity(v.len());
+    for &x in &v {
+        match usize::try_from(x) {
+            Ok(f) if RAMP_FRAMES.contains(&f) => out.push(f),
+            _ => {
+                return Err((
+                    shown,
+                    format!("has entry {x}: each entry must be in {} frames", range_text(&RAMP_FRAMES)),
+                ));
+            }
+        }
+    }
+    Ok(out)
+}
+
+// ---------------------------------------------------------------------------------------------
+// Helpers of the sections
 
 impl SynthesisConfig {
     /// The seed for the next utterance: `None` with greedy decoding, else the configured seed or
@@ -545,7 +1063,9 @@ pub fn clock_seed() -> u64 {
 }
 
 impl RuntimeConfig {
-    /// The thread count to use: `threads`, or for 0 the available parallelism (at least 1).
+    /// The compute thread count when the stages are not pinned: `threads`, or for 0 the
+    /// available parallelism (at least 1). With `threads = 0` herald pins the stages and sizes
+    /// their thread pools from the board instead (tuning.rs).
     pub fn effective_threads(&self) -> usize {
         if self.threads > 0 { self.threads } else { std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1) }
     }
@@ -562,274 +1082,12 @@ impl LogConfig {
     }
 }
 
-/// Command-line overrides, applied last by [`Config::apply_cli`]. `None` leaves a value alone.
-/// Values are checked like every other source (`command line: audio.volume = 3.5 is out of …`).
-#[derive(Debug, Clone, Default)]
-pub struct CliOverrides {
-    /// `model.bundle`.
-    pub bundle: Option<PathBuf>,
-    /// `audio.device`.
-    pub device: Option<String>,
-    /// `audio.format`.
-    pub format: Option<SampleFormat>,
-    /// `audio.volume`.
-    pub volume: Option<f64>,
-    /// `audio.leading_silence_ms`.
-    pub leading_silence_ms: Option<u32>,
-    /// `audio.trailing_silence_ms`.
-    pub trailing_silence_ms: Option<u32>,
-    /// `audio.fade_ms`.
-    pub fade_ms: Option<u32>,
-    /// `audio.period_ms`.
-    pub period_ms: Option<u32>,
-    /// `audio.buffer_periods`.
-    pub buffer_periods: Option<u32>,
-    /// `synthesis.language`.
-    pub language: Option<String>,
-    /// `synthesis.speaker`; `Some("")` clears it.
-    pub speaker: Option<String>,
-    /// `synthesis.mode`.
-    pub mode: Option<SynthesisMode>,
-    /// `synthesis.sampling`.
-    pub sampling: Option<Sampling>,
-    /// `synthesis.seed`.
-    pub seed: Option<u64>,
-    /// `synthesis.ramp`.
-    pub ramp: Option<Vec<usize>>,
-    /// `synthesis.left_context`.
-    pub left_context: Option<usize>,
-    /// `synthesis.kv_capacity`.
-    pub kv_capacity: Option<usize>,
-    /// `runtime.threads`.
-    pub threads: Option<usize>,
-    /// `log.level`.
-    pub log_level: Option<LogLevel>,
-}
-
-// ---------------------------------------------------------------------------------------------
-// Raw values of one source
-
-/// The raw values of one source, before checks: what a config file may contain. Names stay
-/// strings and integers stay `i64` so that [`Config::merge`] reports every bad value the same
-/// way, with its source.
-#[derive(Debug, Default, Deserialize)]
-#[serde(default, deny_unknown_fields)]
-struct Layer {
-    model: ModelLayer,
-    audio: AudioLayer,
-    synthesis: SynthesisLayer,
-    runtime: RuntimeLayer,
-    amplifier: AmplifierLayer,
-    log: LogLayer,
-}
-
-#[derive(Debug, Default, Deserialize)]
-#[serde(default, deny_unknown_fields)]
-struct ModelLayer {
-    bundle: Option<String>,
-}
-
-#[derive(Debug, Default, Deserialize)]
-#[serde(default, deny_unknown_fields)]
-struct AudioLayer {
-    device: Option<String>,
-    format: Option<String>,
-    volume: Option<f64>,
-    leading_silence_ms: Option<i64>,
-    trailing_silence_ms: Option<i64>,
-    fade_ms: Option<i64>,
-    period_ms: Option<i64>,
-    buffer_periods: Option<i64>,
-}
-
-#[derive(Debug, Default, Deserialize)]
-#[serde(default, deny_unknown_fields)]
-struct SynthesisLayer {
-    language: Option<String>,
-    /// `Some("")` clears the speaker.
-    speaker: Option<String>,
-    mode: Option<String>,
-    sampling: Option<String>,
-    /// `Some(None)` clears the seed (an empty `HERALD_SYNTHESIS_SEED`); TOML cannot say that.
-    #[serde(deserialize_with = "present")]
-    seed: Option<Option<i64>>,
-    ramp: Option<Vec<i64>>,
-    left_context: Option<i64>,
-    kv_capacity: Option<i64>,
-}
-
-#[derive(Debug, Default, Deserialize)]
-#[serde(default, deny_unknown_fields)]
-struct RuntimeLayer {
-    threads: Option<i64>,
-    calibration_dir: Option<String>,
-    frame_pool_mib: Option<i64>,
-}
-
-#[derive(Debug, Default, Deserialize)]
-#[serde(default, deny_unknown_fields)]
-struct AmplifierLayer {
-    /// `Some("")` clears the chip.
-    chip: Option<String>,
-    line: Option<i64>,
-    active: Option<String>,
-    lead_ms: Option<i64>,
-}
-
-#[derive(Debug, Default, Deserialize)]
-#[serde(default, deny_unknown_fields)]
-struct LogLayer {
-    level: Option<String>,
-}
-
-/// A key that is present in the file holds a value.
-fn present<'de, D: Deserializer<'de>>(d: D) -> Result<Option<Option<i64>>, D::Error> {
-    i64::deserialize(d).map(|v| Some(Some(v)))
-}
-
-/// What the type of a key is, for "wrong type" and parse messages.
-fn expected(key: &str) -> &'static str {
-    match key {
-        "audio.volume" => "a number",
-        "synthesis.ramp" => "an array of integers",
-        "audio.leading_silence_ms"
-        | "audio.trailing_silence_ms"
-        | "audio.fade_ms"
-        | "audio.period_ms"
-        | "audio.buffer_periods"
-        | "synthesis.seed"
-        | "synthesis.left_context"
-        | "synthesis.kv_capacity"
-        | "runtime.threads"
-        | "runtime.frame_pool_mib"
-        | "amplifier.line"
-        | "amplifier.lead_ms" => "an integer",
-        _ => "a string",
-    }
-}
-
-/// A bad value: (the value as given, what is wrong with it).
-type Bad = (String, String);
-
-fn quoted(s: &str) -> String {
-    format!("{s:?}")
-}
-
-fn render_f64(v: f64) -> String {
-    toml::Value::Float(v).to_string()
-}
-
-fn range_text<T: fmt::Display>(r: &RangeInclusive<T>) -> String {
-    format!("{}..={}", r.start(), r.end())
-}
-
-fn text(v: String) -> Result<String, Bad> {
-    if v.trim().is_empty() { Err((quoted(&v), "must not be empty".into())) } else { Ok(v) }
-}
-
-fn name<E: FromStr<Err = UnknownName>>(v: String) -> Result<E, Bad> {
-    v.parse::<E>().map_err(|e| (quoted(&v), format!("is not one of: {}", e.allowed.join(", "))))
-}
-
-fn float_in(v: f64, r: &RangeInclusive<f64>) -> Result<f64, Bad> {
-    if v.is_finite() && r.contains(&v) {
-        Ok(v)
-    } else {
-        Err((render_f64(v), format!("is out of range ({:?}..={:?})", r.start(), r.end())))
-    }
-}
-
-fn int_in<T: Copy + PartialOrd + fmt::Display + TryFrom<i64>>(v: i64, r: &RangeInclusive<T>) -> Result<T, Bad> {
-    match T::try_from(v) {
-        Ok(t) if r.contains(&t) => Ok(t),
-        _ => Err((v.to_string(), format!("is out of range ({})", range_text(r)))),
-    }
-}
-
-fn ramp(v: Vec<i64>) -> Result<Vec<usize>, Bad> {
-    let shown = format!("[{}]", v.iter().map(i64::to_string).collect::<Vec<_>>().join(", "));
-    if v.is_empty() {
-        return Err((shown, "must not be empty (chunk sizes in frames, e.g. [2, 4, 8, 16, 25])".into()));
-    }
-    if !RAMP_LEN.contains(&v.len()) {
-        return Err((shown, format!("has {} entries (allowed: {})", v.len(), range_text(&RAMP_LEN))));
-    }
-    let mut out = Vec::with_capacity(v.len());
-    for &x in &v {
-        match usize::try_from(x) {
-            Ok(f) if RAMP_FRAMES.contains(&f) => out.push(f),
-            _ => {
-                return Err((
-                    shown,
-                    format!("has entry {x}: each entry must be in {} frames", range_text(&RAMP_FRAMES)),
-                ));
-            }
-        }
-    }
-    Ok(out)
-}
-
-/// Parse an environment or `--set` value for `key` into `layer`.
-fn parse_into(layer: &mut Layer, key: &'static str, raw: &str) -> Result<(), Bad> {
-    let int = || -> Result<i64, Bad> {
-        raw.trim().parse::<i64>().map_err(|_| (quoted(raw), format!("is not {}", expected(key))))
-    };
-    let s = || Some(raw.to_string());
-    match key {
-        "model.bundle" => layer.model.bundle = s(),
-        "audio.device" => layer.audio.device = s(),
-        "audio.format" => layer.audio.format = s(),
-        "audio.volume" => {
-            let v = raw.trim().parse::<f64>().map_err(|_| (quoted(raw), "is not a number".to_string()))?;
-            layer.audio.volume = Some(v);
-        }
-        "audio.leading_silence_ms" => layer.audio.leading_silence_ms = Some(int()?),
-        "audio.trailing_silence_ms" => layer.audio.trailing_silence_ms = Some(int()?),
-        "audio.fade_ms" => layer.audio.fade_ms = Some(int()?),
-        "audio.period_ms" => layer.audio.period_ms = Some(int()?),
-        "audio.buffer_periods" => layer.audio.buffer_periods = Some(int()?),
-        "synthesis.language" => layer.synthesis.language = s(),
-        "synthesis.speaker" => layer.synthesis.speaker = s(),
-        "synthesis.mode" => layer.synthesis.mode = s(),
-        "synthesis.sampling" => layer.synthesis.sampling = s(),
-        "synthesis.seed" => layer.synthesis.seed = Some(if raw.trim().is_empty() { None } else { Some(int()?) }),
-        "synthesis.ramp" => {
-            let inner = raw.trim();
-            let inner = inner.strip_prefix('[').and_then(|i| i.strip_suffix(']')).unwrap_or(inner).trim();
-            let list = if inner.is_empty() {
-                Vec::new()
-            } else {
-                inner.split(',').map(|x| x.trim().parse::<i64>()).collect::<Result<Vec<_>, _>>().map_err(|_| {
-                    (quoted(raw), "is not a comma-separated list of integers (e.g. 2,4,8,16,25)".to_string())
-                })?
-            };
-            layer.synthesis.ramp = Some(list);
-        }
-        "synthesis.left_context" => layer.synthesis.left_context = Some(int()?),
-        "synthesis.kv_capacity" => layer.synthesis.kv_capacity = Some(int()?),
-        "runtime.threads" => layer.runtime.threads = Some(int()?),
-        "runtime.calibration_dir" => layer.runtime.calibration_dir = s(),
-        "runtime.frame_pool_mib" => layer.runtime.frame_pool_mib = Some(int()?),
-        "amplifier.chip" => layer.amplifier.chip = s(),
-        "amplifier.line" => layer.amplifier.line = Some(int()?),
-        "amplifier.active" => layer.amplifier.active = s(),
-        "amplifier.lead_ms" => layer.amplifier.lead_ms = Some(int()?),
-        "log.level" => layer.log.level = s(),
-        _ => return Err((quoted(raw), "is not a setting".into())),
-    }
-    Ok(())
-}
-
-fn wide<T: TryInto<i64>>(v: T) -> i64 {
-    v.try_into().unwrap_or(i64::MAX)
-}
-
 // ---------------------------------------------------------------------------------------------
 // The config file
 
 /// Where a key stands in the file.
 struct Place {
-    key: &'static str,
+    key: &'static Key,
     line: usize,
     value: Range<usize>,
 }
@@ -841,8 +1099,8 @@ fn line_col(text: &str, offset: usize) -> (usize, usize) {
     (line, column)
 }
 
-/// Check the file's sections and keys against [`KEYS`] (so that an unknown key is reported
-/// with its line and the keys of its section) and note where each key stands.
+/// Check the file's sections and keys against the declaration (so that an unknown key is
+/// reported with its line and the keys of its section) and note where each key stands.
 fn places(path: &Path, text: &str) -> Result<Vec<Place>, ConfigError> {
     let syntax = |e: toml::de::Error| {
         let (line, column) = e.span().map(|s| line_col(text, s.start)).unzip();
@@ -875,7 +1133,7 @@ fn places(path: &Path, text: &str) -> Result<Vec<Place>, ConfigError> {
         entries.sort_by_key(|(k, _)| k.span().start);
         for (key, value) in entries {
             let full = format!("{section_name}.{}", key.get_ref());
-            match static_key(&full) {
+            match setting(&full) {
                 Some(k) => out.push(Place { key: k, line: line_col(text, key.span().start).0, value: value.span() }),
                 None => {
                     return Err(ConfigError::UnknownKey {
@@ -971,30 +1229,38 @@ impl Config {
             .collect()
     }
 
-    /// Apply a config file's text (`path` is for messages and relative bundle paths).
+    /// Apply a config file's text (`path` is for messages and relative paths).
     ///
     /// # Errors
     /// Malformed TOML, unknown sections or keys, bad values.
     pub fn merge_file(&mut self, path: &Path, text: &str) -> Result<(), ConfigError> {
         let places = places(path, text)?;
-        let layer: Layer = toml::from_str(text).map_err(|e| {
-            let start = e.span().map_or(0, |s| s.start);
-            match places.iter().find(|p| p.value.contains(&start) || p.value.start == start) {
-                Some(p) => ConfigError::Invalid {
-                    origin: format!("{}:{}", path.display(), p.line),
-                    key: p.key.to_string(),
-                    value: text.get(p.value.clone()).unwrap_or("").trim().to_string(),
-                    problem: format!("has the wrong type (expected {})", expected(p.key)),
-                },
+        let table: toml::Table = text.parse().map_err(|e: toml::de::Error| {
+            let (line, column) = e.span().map(|s| line_col(text, s.start)).unzip();
+            ConfigError::Syntax { path: path.to_owned(), line, column, message: e.message().trim().to_string() }
+        })?;
+        let origin_of = |p: &Place| format!("{}:{}", path.display(), p.line);
+        let mut layer = Layer::new();
+        for p in &places {
+            let (section, name) = (p.key.section(), p.key.short_name());
+            let value = table.get(section).and_then(|s| s.get(name));
+            match value.and_then(|v| p.key.shape.read_toml(v)) {
+                Some(raw) => {
+                    layer.insert(p.key.name, raw);
+                }
                 None => {
-                    let (line, column) = e.span().map(|s| line_col(text, s.start)).unzip();
-                    ConfigError::Syntax { path: path.to_owned(), line, column, message: e.message().trim().to_string() }
+                    return Err(ConfigError::Invalid {
+                        origin: origin_of(p),
+                        key: p.key.name.to_string(),
+                        value: text.get(p.value.clone()).unwrap_or("").trim().to_string(),
+                        problem: format!("has the wrong type (expected {})", p.key.shape.expected()),
+                    });
                 }
             }
-        })?;
-        let lines: BTreeMap<&str, usize> = places.iter().map(|p| (p.key, p.line)).collect();
+        }
+        let lines: BTreeMap<&str, usize> = places.iter().map(|p| (p.key.name, p.line)).collect();
         let origin = |key: &str| format!("{}:{}", path.display(), lines.get(key).copied().unwrap_or(0));
-        // A relative bundle path in a file is relative to the file's directory.
+        // A relative path in a file is relative to the file's directory.
         let base = path.parent().filter(|d| !d.as_os_str().is_empty());
         self.merge(layer, &origin, base)?;
         self.file = Some(path.to_owned());
@@ -1009,7 +1275,7 @@ impl Config {
     /// # Errors
     /// An unknown key, a value that does not parse or is not allowed.
     pub fn set(&mut self, key: &str, value: &str, origin: &str) -> Result<(), ConfigError> {
-        let Some(k) = static_key(key) else {
+        let Some(k) = setting(key) else {
             let (section, _) = key.split_once('.').unwrap_or((key, ""));
             return Err(if sections().contains(&section) {
                 ConfigError::UnknownKey { origin: origin.into(), key: key.into(), section: section.into() }
@@ -1017,14 +1283,13 @@ impl Config {
                 ConfigError::UnknownSection { origin: origin.into(), name: section.into() }
             });
         };
-        let mut layer = Layer::default();
-        parse_into(&mut layer, k, value).map_err(|(value, problem)| ConfigError::Invalid {
+        let raw = k.parse_text(value).map_err(|(value, problem)| ConfigError::Invalid {
             origin: origin.into(),
-            key: k.into(),
+            key: k.name.into(),
             value,
             problem,
         })?;
-        self.merge(layer, &|_| origin.to_string(), None)?;
+        self.merge(Layer::from([(k.name, raw)]), &|_| origin.to_string(), None)?;
         self.source.push(origin.to_string());
         Ok(())
     }
@@ -1035,107 +1300,34 @@ impl Config {
     /// A value out of range (`command line: audio.volume = 3.5 is out of range (0.0..=2.0)`).
     pub fn apply_cli(&mut self, cli: &CliOverrides) -> Result<(), ConfigError> {
         const ORIGIN: &str = "command line";
-        let seed = match cli.seed {
-            Some(s) => Some(Some(i64::try_from(s).map_err(|_| ConfigError::Invalid {
-                origin: ORIGIN.into(),
-                key: "synthesis.seed".into(),
-                value: s.to_string(),
-                problem: format!("is out of range ({})", range_text(&SEED)),
-            })?)),
-            None => None,
-        };
-        let layer = Layer {
-            model: ModelLayer { bundle: cli.bundle.as_ref().map(|p| p.to_string_lossy().into_owned()) },
-            audio: AudioLayer {
-                device: cli.device.clone(),
-                format: cli.format.map(|f| f.as_str().into()),
-                volume: cli.volume,
-                leading_silence_ms: cli.leading_silence_ms.map(i64::from),
-                trailing_silence_ms: cli.trailing_silence_ms.map(i64::from),
-                fade_ms: cli.fade_ms.map(i64::from),
-                period_ms: cli.period_ms.map(i64::from),
-                buffer_periods: cli.buffer_periods.map(i64::from),
-            },
-            synthesis: SynthesisLayer {
-                language: cli.language.clone(),
-                speaker: cli.speaker.clone(),
-                mode: cli.mode.map(|m| m.as_str().into()),
-                sampling: cli.sampling.map(|s| s.as_str().into()),
-                seed,
-                ramp: cli.ramp.as_ref().map(|r| r.iter().copied().map(wide).collect()),
-                left_context: cli.left_context.map(wide),
-                kv_capacity: cli.kv_capacity.map(wide),
-            },
-            runtime: RuntimeLayer { threads: cli.threads.map(wide), calibration_dir: None, frame_pool_mib: None },
-            amplifier: AmplifierLayer::default(),
-            log: LogLayer { level: cli.log_level.map(|l| l.as_str().into()) },
-        };
+        let layer: Layer = SETTINGS.iter().filter_map(|k| (k.cli)(cli).map(|raw| (k.name, raw))).collect();
         if self.merge(layer, &|_| ORIGIN.to_string(), None)? > 0 {
             self.source.push(ORIGIN.into());
         }
         Ok(())
     }
 
-    /// Check and apply one source's raw values; returns how many keys it set.
-    fn merge(&mut self, l: Layer, origin: &dyn Fn(&str) -> String, base: Option<&Path>) -> Result<usize, ConfigError> {
-        let mut set = Vec::<&'static str>::new();
-        macro_rules! take {
-            ($raw:expr, $key:literal, $check:expr => $dst:expr) => {
-                if let Some(v) = $raw {
-                    $dst = $check(v).map_err(|(value, problem): Bad| ConfigError::Invalid {
-                        origin: origin($key),
-                        key: $key.into(),
-                        value,
-                        problem,
-                    })?;
-                    set.push($key);
-                }
-            };
+    /// Check and apply one source's raw values, in declaration order; returns how many keys it
+    /// set.
+    fn merge(
+        &mut self,
+        mut layer: Layer,
+        origin: &dyn Fn(&str) -> String,
+        base: Option<&Path>,
+    ) -> Result<usize, ConfigError> {
+        let mut set = 0;
+        for key in SETTINGS {
+            let Some(raw) = layer.remove(key.name) else { continue };
+            (key.set)(self, raw, base).map_err(|(value, problem)| ConfigError::Invalid {
+                origin: origin(key.name),
+                key: key.name.into(),
+                value,
+                problem,
+            })?;
+            self.origins.insert(key.name, origin(key.name));
+            set += 1;
         }
-        take!(l.model.bundle, "model.bundle", |v: String| text(v).map(|v| {
-            let p = PathBuf::from(v);
-            let p = match base {
-                Some(d) if p.is_relative() => d.join(p),
-                _ => p,
-            };
-            // absolute, so `herald config` prints a path that means the same from anywhere
-            std::path::absolute(&p).unwrap_or(p)
-        }) => self.model.bundle);
-        take!(l.audio.device, "audio.device", text => self.audio.device);
-        take!(l.audio.format, "audio.format", name => self.audio.format);
-        take!(l.audio.volume, "audio.volume", |v| float_in(v, &VOLUME) => self.audio.volume);
-        take!(l.audio.leading_silence_ms, "audio.leading_silence_ms", |v| int_in(v, &SILENCE_MS) => self.audio.leading_silence_ms);
-        take!(l.audio.trailing_silence_ms, "audio.trailing_silence_ms", |v| int_in(v, &SILENCE_MS) => self.audio.trailing_silence_ms);
-        take!(l.audio.fade_ms, "audio.fade_ms", |v| int_in(v, &FADE_MS) => self.audio.fade_ms);
-        take!(l.audio.period_ms, "audio.period_ms", |v| int_in(v, &PERIOD_MS) => self.audio.period_ms);
-        take!(l.audio.buffer_periods, "audio.buffer_periods", |v| int_in(v, &BUFFER_PERIODS) => self.audio.buffer_periods);
-        take!(l.synthesis.language, "synthesis.language", text => self.synthesis.language);
-        take!(l.synthesis.speaker, "synthesis.speaker", |v: String| Ok::<_, Bad>(Some(v).filter(|s| !s.is_empty())) => self.synthesis.speaker);
-        take!(l.synthesis.mode, "synthesis.mode", name => self.synthesis.mode);
-        take!(l.synthesis.sampling, "synthesis.sampling", name => self.synthesis.sampling);
-        take!(l.synthesis.seed, "synthesis.seed", |v: Option<i64>| v.map(|s| int_in(s, &SEED)).transpose() => self.synthesis.seed);
-        take!(l.synthesis.ramp, "synthesis.ramp", ramp => self.synthesis.ramp);
-        take!(l.synthesis.left_context, "synthesis.left_context", |v| int_in(v, &LEFT_CONTEXT) => self.synthesis.left_context);
-        take!(l.synthesis.kv_capacity, "synthesis.kv_capacity", |v| int_in(v, &KV_CAPACITY) => self.synthesis.kv_capacity);
-        take!(l.runtime.threads, "runtime.threads", |v| int_in(v, &THREADS) => self.runtime.threads);
-        take!(l.runtime.frame_pool_mib, "runtime.frame_pool_mib", |v| int_in(v, &FRAME_POOL_MIB) => self.runtime.frame_pool_mib);
-        take!(l.runtime.calibration_dir, "runtime.calibration_dir", |v: String| text(v).map(|v| {
-            let p = PathBuf::from(v);
-            let p = match base {
-                Some(d) if p.is_relative() => d.join(p),
-                _ => p,
-            };
-            std::path::absolute(&p).unwrap_or(p)
-        }) => self.runtime.calibration_dir);
-        take!(l.amplifier.chip, "amplifier.chip", |v: String| Ok::<_, Bad>(Some(v).filter(|s| !s.is_empty())) => self.amplifier.chip);
-        take!(l.amplifier.line, "amplifier.line", |v| int_in(v, &AMP_LINE) => self.amplifier.line);
-        take!(l.amplifier.active, "amplifier.active", name => self.amplifier.active);
-        take!(l.amplifier.lead_ms, "amplifier.lead_ms", |v| int_in(v, &AMP_LEAD_MS) => self.amplifier.lead_ms);
-        take!(l.log.level, "log.level", name => self.log.level);
-        for key in &set {
-            self.origins.insert(key, origin(key));
-        }
-        Ok(set.len())
+        Ok(set)
     }
 
     /// Where `key` got its value: `default`, `FILE:LINE`, `env HERALD_…` or `command line`.
@@ -1147,41 +1339,7 @@ impl Config {
     /// an unset optional one.
     #[cfg_attr(not(test), allow(dead_code))]
     pub fn get(&self, key: &str) -> Option<String> {
-        self.value(key).map(|v| v.to_string())
-    }
-
-    fn value(&self, key: &str) -> Option<toml::Value> {
-        use toml::Value as V;
-        let s = |s: &str| Some(V::String(s.to_string()));
-        let i = |n: i64| Some(V::Integer(n));
-        match key {
-            "model.bundle" => s(&self.model.bundle.to_string_lossy()),
-            "audio.device" => s(&self.audio.device),
-            "audio.format" => s(self.audio.format.as_str()),
-            "audio.volume" => Some(V::Float(self.audio.volume)),
-            "audio.leading_silence_ms" => i(self.audio.leading_silence_ms.into()),
-            "audio.trailing_silence_ms" => i(self.audio.trailing_silence_ms.into()),
-            "audio.fade_ms" => i(self.audio.fade_ms.into()),
-            "audio.period_ms" => i(self.audio.period_ms.into()),
-            "audio.buffer_periods" => i(self.audio.buffer_periods.into()),
-            "synthesis.language" => s(&self.synthesis.language),
-            "synthesis.speaker" => self.synthesis.speaker.as_deref().and_then(s),
-            "synthesis.mode" => s(self.synthesis.mode.as_str()),
-            "synthesis.sampling" => s(self.synthesis.sampling.as_str()),
-            "synthesis.seed" => self.synthesis.seed.and_then(|n| i(wide(n))),
-            "synthesis.ramp" => Some(V::Array(self.synthesis.ramp.iter().map(|&r| V::Integer(wide(r))).collect())),
-            "synthesis.left_context" => i(wide(self.synthesis.left_context)),
-            "synthesis.kv_capacity" => i(wide(self.synthesis.kv_capacity)),
-            "runtime.threads" => i(wide(self.runtime.threads)),
-            "runtime.calibration_dir" => s(&self.runtime.calibration_dir.to_string_lossy()),
-            "runtime.frame_pool_mib" => i(wide(self.runtime.frame_pool_mib)),
-            "amplifier.chip" => self.amplifier.chip.as_deref().and_then(s),
-            "amplifier.line" => i(self.amplifier.line.into()),
-            "amplifier.active" => s(self.amplifier.active.as_str()),
-            "amplifier.lead_ms" => i(self.amplifier.lead_ms.into()),
-            "log.level" => s(self.log.level.as_str()),
-            _ => None,
-        }
+        setting(key).and_then(|k| (k.get)(self)).map(|v| v.to_string())
     }
 
     /// The effective configuration as a config file (every key; unset optional keys as
@@ -1198,15 +1356,14 @@ impl Config {
                 out.push('\n');
             }
             let _ = writeln!(out, "[{section}]");
-            for name in section_keys(section) {
-                let key = format!("{section}.{name}");
-                let line = match self.value(&key) {
-                    Some(v) => format!("{name} = {v}"),
-                    None if key == "synthesis.seed" => "# seed: not set (a fresh seed per utterance)".into(),
-                    None if key == "amplifier.chip" => "# chip: not set (no amplifier line)".into(),
-                    None => format!("# {name}: not set"),
+            for key in SETTINGS.iter().filter(|k| k.section() == section) {
+                let name = key.short_name();
+                let line = match ((key.get)(self), (key.describe)().unset_note) {
+                    (Some(v), _) => format!("{name} = {v}"),
+                    (None, Some(note)) => format!("# {name}: not set ({note})"),
+                    (None, None) => format!("# {name}: not set"),
                 };
-                let from = self.origin(&key);
+                let from = self.origin(key.name);
                 if annotate && from != "default" {
                     let _ = writeln!(out, "{line}  # from {from}");
                 } else {
@@ -1261,6 +1418,47 @@ impl fmt::Display for Config {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.write_str(&self.render(true))
     }
+}
+
+// ---------------------------------------------------------------------------------------------
+// docs/config.md
+
+/// docs/config.md's key reference, made from the declaration: per section a heading, the
+/// section's doc comment and a table of its keys (type, default, allowed values, doc comment,
+/// environment variable, flag). The test `docs_are_generated` keeps the page equal to it.
+#[cfg_attr(not(test), allow(dead_code))]
+pub fn markdown_keys() -> String {
+    let defaults = Config::default();
+    let mut out = String::new();
+    for (n, (section, doc)) in SECTIONS.iter().enumerate() {
+        if n > 0 {
+            out.push('\n');
+        }
+        let _ = writeln!(out, "### `[{section}]`\n");
+        let text: Vec<&str> = doc.iter().map(|l| l.strip_prefix(' ').unwrap_or(l)).collect();
+        if !text.is_empty() {
+            let _ = writeln!(out, "{}\n", text.join("\n"));
+        }
+        out.push_str("| Key | Type | Default | Allowed | What it does |\n");
+        out.push_str("|-----|------|---------|---------|--------------|\n");
+        for key in SETTINGS.iter().filter(|k| k.section() == *section) {
+            let default = (key.get)(&defaults).map_or_else(|| "not set".to_string(), |v| format!("`{v}`"));
+            let mut what = key.doc.iter().map(|l| l.trim()).filter(|l| !l.is_empty()).collect::<Vec<_>>().join(" ");
+            let _ = write!(what, " Env: `{}`.", env_name(key.name));
+            if let Some(flag) = key.flag {
+                let _ = write!(what, " Flag: `{flag}`.");
+            }
+            let _ = writeln!(
+                out,
+                "| `{}` | {} | {default} | {} | {} |",
+                key.name,
+                key.doc_type,
+                (key.describe)().allowed,
+                what.replace('|', "\\|")
+            );
+        }
+    }
+    out
 }
 
 #[cfg(test)]
@@ -1435,13 +1633,21 @@ mod tests {
             ("amplifier.lead_ms", "120"),
             ("log.level", "warn"),
         ];
-        assert_eq!(values.len(), keys().count());
         let vars: Vec<(String, String)> = values.iter().map(|(k, v)| (env_name(k), v.to_string())).collect();
         let c = Config::load_with_default(Path::new(NO_DEFAULT), None, &vars).unwrap();
         for (key, value) in values {
             assert_eq!(c.origin(key), format!("env {}", env_name(key)), "{key}");
             let got = c.get(key).unwrap();
             assert_eq!(got.trim_matches('"').trim_matches(|c| c == '[' || c == ']'), value, "{key}");
+        }
+        // every declared key, at its default written as a variable would give it
+        let text = |v: String| v.trim_matches('"').trim_matches(|c| c == '[' || c == ']').to_string();
+        let vars: Vec<(String, String)> =
+            keys().map(|k| (env_name(k), Config::default().get(k).map(text).unwrap_or_default())).collect();
+        let c = Config::load_with_default(Path::new(NO_DEFAULT), None, &vars).unwrap();
+        same_settings(&c, &Config::default());
+        for key in keys() {
+            assert_eq!(c.origin(key), format!("env {}", env_name(key)), "{key}");
         }
         assert_eq!(env_name("audio.leading_silence_ms"), "HERALD_AUDIO_LEADING_SILENCE_MS");
     }
@@ -1495,20 +1701,14 @@ mod tests {
                 assert!(msg.contains(n), "{msg} lists {n}");
             }
         }
+        // the keys of the section, in declaration order, starting with these
+        let audio = section_keys("audio").join(", ");
+        assert!(audio.starts_with("device, format, volume, leading_silence_ms, "), "{audio}");
         let msg = load_err("unknown-audio.toml", "[audio]\nvolume = 1.0\nvolum = 1.0\n");
-        assert!(msg.ends_with(
-            "unknown-audio.toml:3: unknown key audio.volum (keys of [audio]: device, format, volume, leading_silence_ms, \
-             trailing_silence_ms, fade_ms, period_ms, buffer_periods)"
-        ), "{msg}");
+        assert!(msg.ends_with(&format!("unknown-audio.toml:3: unknown key audio.volum (keys of [audio]: {audio})")), "{msg}");
         // dotted keys and inline tables are checked the same way
         let msg = load_err("dotted.toml", "audio.gain = 1.0\n");
-        assert!(
-            msg.ends_with(
-                "dotted.toml:1: unknown key audio.gain (keys of [audio]: device, format, volume, \
-                               leading_silence_ms, trailing_silence_ms, fade_ms, period_ms, buffer_periods)"
-            ),
-            "{msg}"
-        );
+        assert!(msg.ends_with(&format!("dotted.toml:1: unknown key audio.gain (keys of [audio]: {audio})")), "{msg}");
         let msg = load_err("inline.toml", "log = { level = \"info\", colour = true }\n");
         assert!(msg.contains("inline.toml:1: unknown key log.colour"), "{msg}");
     }
@@ -1808,17 +2008,15 @@ mod tests {
         assert!(printed.contains("\nramp = [2, 4, 8, 16, 25]\n"), "{printed}");
     }
 
-    /// The keys in [`KEYS`] are exactly the serde structs' fields and `value`'s keys.
+    /// Every declared key is printed by `herald config`, read back from a file, and its
+    /// neighbour names are refused.
     #[test]
-    fn key_list_matches_the_structs() {
+    fn key_list_matches_the_declaration() {
         let mut c = Config::default();
         c.synthesis.speaker = Some("s".into());
         c.synthesis.seed = Some(1);
         c.amplifier.chip = Some("gpiochip-label".into());
         let printed = c.to_toml();
-        // every key printed, parsed by serde (deny_unknown_fields) and DeTable check alike
-        let layer: Layer = toml::from_str(&printed).unwrap();
-        assert!(layer.synthesis.seed.is_some() && layer.synthesis.speaker.is_some());
         let table: toml::Table = printed.parse().unwrap();
         let mut printed_keys: Vec<String> = Vec::new();
         for (section, v) in &table {
@@ -1830,11 +2028,35 @@ mod tests {
         printed_keys.sort();
         all.sort();
         assert_eq!(printed_keys, all);
-        for key in keys() {
-            assert!(c.get(key).is_some(), "{key}");
-            let section = key.split('.').next().unwrap();
-            let bogus = format!("[{section}]\n{} = 1\n", key.split('.').nth(1).unwrap().to_owned() + "x");
-            assert!(toml::from_str::<Layer>(&bogus).is_err(), "serde rejects unknown keys in [{section}]");
+        same_settings(&load_text("every-key.toml", &printed).unwrap(), &c);
+        let mut names: Vec<&str> = keys().collect();
+        names.dedup();
+        assert_eq!(names.len(), SETTINGS.len(), "keys are unique");
+        for key in SETTINGS {
+            assert!(c.get(key.name).is_some(), "{}", key.name);
+            assert!(!key.doc.is_empty(), "{} has a doc comment", key.name);
+            let bogus = format!("[{}]\n{}x = 1\n", key.section(), key.short_name());
+            let e = load_text("bogus.toml", &bogus).unwrap_err();
+            assert!(matches!(e, ConfigError::UnknownKey { .. }), "{e:?}");
+        }
+        for (section, doc) in SECTIONS {
+            assert!(!doc.is_empty(), "[{section}] has a doc comment");
+        }
+    }
+
+    /// The flags named in the declaration exist on some command.
+    #[test]
+    fn declared_flags_exist() {
+        use clap::CommandFactory;
+        let cli = crate::Cli::command();
+        let longs: Vec<String> = cli
+            .get_subcommands()
+            .flat_map(|c| c.get_arguments().filter_map(|a| a.get_long().map(|l| format!("--{l}"))))
+            .collect();
+        for key in SETTINGS {
+            if let Some(flag) = key.flag {
+                assert!(longs.iter().any(|l| l == flag), "{}: no command has {flag}", key.name);
+            }
         }
     }
 
@@ -1857,7 +2079,7 @@ mod tests {
     }
 
     /// docs/config.md: its full example (the first ```toml block) is every key at its default
-    /// (the two optional ones commented out), and every other ```toml block parses.
+    /// (the optional ones as `# key: not set` comments), and every other ```toml block parses.
     #[test]
     fn docs_example_parses_exactly() {
         let md = include_str!("../../docs/config.md");
@@ -1866,16 +2088,18 @@ mod tests {
         let (line, full) = &blocks[0];
         let c = load_text("docs-full.toml", full).unwrap_or_else(|e| panic!("docs/config.md:{line}: {e}"));
         same_settings(&c, &Config::default());
-        // every key is in the example: set, or commented out as `# key = …`
+        // every key is in the example: set, or commented out as `# key = …` or `# key: not set`
         let mut section = "";
         let mut seen = Vec::new();
         for l in full.lines() {
             let t = l.trim();
             if let Some(s) = t.strip_prefix('[').and_then(|s| s.strip_suffix(']')) {
                 section = sections().into_iter().find(|n| *n == s).unwrap_or("");
-            } else if let Some((k, _)) = t.trim_start_matches("# ").split_once(" = ") {
+            } else if let Some((k, _)) =
+                t.trim_start_matches("# ").split_once(" = ").or_else(|| t.strip_prefix("# ")?.split_once(": not set"))
+            {
                 let key = format!("{section}.{}", k.trim());
-                if static_key(&key).is_some() {
+                if setting(&key).is_some() {
                     seen.push(key);
                 }
             }
@@ -1891,5 +2115,41 @@ mod tests {
         for (line, block) in &blocks[1..] {
             load_text("docs-block.toml", block).unwrap_or_else(|e| panic!("docs/config.md:{line}: {e}"));
         }
+    }
+
+    /// Replace the text between `<!-- generated: NAME ... -->` and the next
+    /// `<!-- end generated -->` of `md` with `body`.
+    fn replace_generated(md: &str, name: &str, body: &str) -> String {
+        let open = format!("<!-- generated: {name} ");
+        let start = md.find(&open).unwrap_or_else(|| panic!("docs/config.md has no {open}... -->"));
+        let start = start + md[start..].find("-->\n").unwrap() + 4;
+        let end = start + md[start..].find("<!-- end generated -->").unwrap();
+        format!("{}{body}{}", &md[..start], &md[end..])
+    }
+
+    /// docs/config.md's full example and key tables are made from the declaration: this test
+    /// fails while the page differs. Refresh it with
+    /// `HERALD_TEST_BLESS=1 cargo test --workspace config::tests::docs_are_generated`.
+    #[test]
+    fn docs_are_generated() {
+        let path = Path::new(env!("CARGO_MANIFEST_DIR")).join("../docs/config.md");
+        let md = std::fs::read_to_string(&path).unwrap();
+        let example = format!("```toml\n{}```\n", Config::default().to_toml());
+        let want = replace_generated(&md, "example", &example);
+        let want = replace_generated(&want, "keys", &markdown_keys());
+        if want == md {
+            return;
+        }
+        if std::env::var_os("HERALD_TEST_BLESS").is_some_and(|v| v == "1") {
+            std::fs::write(&path, &want).unwrap();
+            return;
+        }
+        let (n, (have, should)) =
+            md.lines().zip(want.lines()).enumerate().find(|(_, (a, b))| a != b).unwrap_or((0, ("", "")));
+        panic!(
+            "docs/config.md differs from the declaration in app/src/config.rs at line {}:\n  docs: {have}\n  code: {should}\n\
+             refresh it with HERALD_TEST_BLESS=1 cargo test --workspace config::tests::docs_are_generated",
+            n + 1
+        );
     }
 }
