@@ -156,12 +156,16 @@ mod tests {
         r.commit(0, 5); // a 5-position prefill keeps positions 2, 3, 4
         assert_eq!(r.kept(5), 2..5);
         assert_eq!((r.slot(2), r.slot(3), r.slot(4)), (2, 0, 1));
-        let (mut past, mut new) = (vec![0.0; 3], vec![0.0; 1]);
-        // the query at position 5 sees 3 and 4 (within 4 positions of it: 2..=5), not 2
-        r.fill_masks(5, 1, F, &mut past, &mut new);
-        assert_eq!(past, vec![F, 0.0, 0.0]);
-        assert_eq!(new, vec![0.0]);
+        // a 2-position step at 5, 6: position 5 sees all three (2..=5 is its window), position 6
+        // no longer sees 2 (its window is 3..=6), which slot 2 still holds
+        let (mut past, mut new) = (vec![9.0; 2 * 3], vec![9.0; 2 * 2]);
+        r.fill_masks(5, 2, F, &mut past, &mut new);
+        assert_eq!(past, vec![0.0, 0.0, 0.0, 0.0, 0.0, F]);
+        assert_eq!(new, vec![0.0, F, 0.0, 0.0]);
+        r.commit(5, 2);
+        assert_eq!((r.slot(5), r.slot(6)), (2, 0));
         r.clear();
+        let (mut past, mut new) = (vec![0.0; 3], vec![0.0; 1]);
         r.fill_masks(0, 1, F, &mut past, &mut new);
         assert_eq!(past, vec![F; 3]);
     }
