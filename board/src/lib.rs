@@ -5,5 +5,6 @@ pub mod amp;
 pub mod audio;
 pub mod calibration;
 pub mod derive;
+pub mod fsutil;
 pub mod pcm;
 pub mod probe;
