@@ -1,11 +1,16 @@
 //! Audio output: the [`AudioSink`] trait and its sinks (ALSA playback, WAV, raw S16LE, null).
 //!
 //! Every sink takes mono `f32` samples at the model rate (24 kHz for Qwen3-TTS, but any rate
-//! works), one utterance per `begin` … `finish`, and runs them through the same [`Shaper`]
-//! (gain, leading/trailing silence, 5 ms raised-cosine edge fades) before its own conversion,
-//! so a WAV file and ALSA playback of the same input carry the same samples. Float to 16-bit
-//! conversion is [`crate::pcm::f32_to_s16`] everywhere (clamp to [-1, 1], ×32767, round half
-//! away from zero).
+//! works), one utterance per `begin` … `finish`, and runs them through the same
+//! [`ShapingStage`] (the [`Shaper`]'s gain, leading/trailing silence and 5 ms raised-cosine edge
+//! fades, plus the call-order checks and sample counts) before its own conversion, so a WAV
+//! file and ALSA playback of the same input carry the same samples. Float to 16-bit conversion
+//! is [`crate::pcm::f32_to_s16`] everywhere (clamp to [-1, 1], ×32767, round half away from
+//! zero).
+//!
+//! A new sink: own a [`ShapingStage`], call its `begin`/`process`/`finish` from the sink's
+//! own, convert the samples it returns, and report [`ShapingStage::stats`] (or your own
+//! [`SinkStats`] when the output is not the model rate).
 //!
 //! Errors are [`SinkError`]; [`SinkError::kind`] sorts them for exit codes.
 
@@ -13,11 +18,13 @@ mod alsa_sink;
 mod file;
 mod resample;
 mod shaper;
+mod stage;
 
 pub use alsa_sink::{AlsaSettings, AlsaSink, DeviceInfo, list_playback_devices};
 pub use file::{NullSink, RawSink, WavSink, streaming_wav_header};
 pub use resample::StreamResampler;
 pub use shaper::{Shaper, ShaperSettings, fade_weight, ms_to_samples};
+pub use stage::ShapingStage;
 
 /// A destination for synthesized speech.
 ///
