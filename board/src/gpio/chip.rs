@@ -14,8 +14,10 @@ pub const CONSUMER: &str = "herald";
 
 /// The directory scanned for GPIO character devices by [`open_line`].
 pub const DEV_DIR: &str = "/dev";
+
 /// The amplifier on a real GPIO line, as [`open_line`] returns it.
 pub type LineAmplifier = Amplifier<CdevPin>;
+
 /// Open the amplifier line `line` of the GPIO chip labelled `chip_label` under [`DEV_DIR`]
 /// (see [`open_line_in`]).
 ///

@@ -1,10 +1,10 @@
-//! GPIO: the amplifier-enable line (`[amplifier]` in the config): the line is driven active a lead
-//! time before the first sample of an utterance and inactive once the audio has drained, so the
+//! GPIO: the amplifier-enable line (`[amplifier]` in the config), driven active a lead time
+//! before the first sample of an utterance and inactive once the audio has drained, so the
 //! speaker amplifier (e.g. the SD pin of a MAX98357-class I2S amplifier) is off between
 //! utterances and has time to wake before speech starts.
 //!
 //! - [`Amplifier`] drives any embedded-hal 1.0 [`OutputPin`] and knows the active level and the
-//!   lead time ([`amplifier`](Amplifier)); [`AmpSink`] wraps any [`AudioSink`] with one.
+//!   lead time; [`AmpSink`] wraps any [`AudioSink`] with one.
 //! - [`open_line`] opens the real line: it finds the GPIO chip by its **label** among the
 //!   `/dev/gpiochip*` character devices (never by number: the Raspberry Pi 5 header chip moved
 //!   from `gpiochip4` to `gpiochip0` in kernel 6.6.45, raspberrypi/linux#6144) and requests the
