@@ -139,9 +139,9 @@ fn tune_failure(e: tuning::TuneError) -> Failure {
 
 /// Open the amplifier-enable line of `[amplifier]`, if one is configured: at start-up, so that
 /// a missing chip or line stops herald (exit 3) before the model loads.
-fn open_amplifier(cfg: &Config) -> Result<Option<board::amp::LineAmplifier>, Failure> {
+fn open_amplifier(cfg: &Config) -> Result<Option<board::gpio::LineAmplifier>, Failure> {
     let Some(chip) = &cfg.amplifier.chip else { return Ok(None) };
-    let amp = board::amp::open_line(
+    let amp = board::gpio::open_line(
         chip,
         cfg.amplifier.line,
         cfg.amplifier.active == config::ActiveLevel::Low,
@@ -506,7 +506,7 @@ fn speak(cfg: &Config, text: &str, out: Option<&str>, raw: bool) -> Result<(), F
     if out.is_none() && !raw
         && let Some(amp) = open_amplifier(cfg)?
     {
-        sink = Box::new(board::amp::AmpSink::new(sink, amp));
+        sink = Box::new(board::gpio::AmpSink::new(sink, amp));
     }
     // Open the output before loading the graphs: a busy or missing device fails fast.
     sink.begin(rate).map_err(|e| fail(sink_code(&e), e))?;

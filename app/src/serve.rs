@@ -301,13 +301,13 @@ struct Server<'a> {
     out_dir: Option<&'a Path>,
     heartbeat: &'a Heartbeat,
     /// The amplifier line, opened at start-up (None: not configured, or writing files).
-    amp: Option<&'a std::cell::RefCell<board::amp::LineAmplifier>>,
+    amp: Option<&'a std::cell::RefCell<board::gpio::LineAmplifier>>,
     spoken: u64,
     skipped: u64,
 }
 
 /// Turns the amplifier off when a line ends, however it ends.
-struct AmpOff<'a>(&'a std::cell::RefCell<board::amp::LineAmplifier>);
+struct AmpOff<'a>(&'a std::cell::RefCell<board::gpio::LineAmplifier>);
 
 impl Drop for AmpOff<'_> {
     fn drop(&mut self) {

@@ -11,15 +11,14 @@
 //! - the ramp doubles from the first chunk until it reaches steady (e.g. 1, 2, 4, 8, 16, 25);
 //! - safety margin = clamp(jitter + ms_per_frame, 20, 400) ms.
 //!
-//! Files: `<dir>/<fingerprint>.json`, pretty JSON, written atomically (temporary file in the
-//! same directory, fsync, rename, fsync of the directory), so a power cut leaves either the old
-//! file or the new one. The fingerprint is the first 16 hex digits of SHA-256 over the hardware
+//! Files: `<dir>/<fingerprint>.json`, pretty JSON, written atomically with
+//! [`crate::fsutil::write_atomic`] (temporary file in the same directory, fsync, rename, fsync of
+//! the directory), so a power cut leaves either the old file or the new one. The fingerprint is the first 16 hex digits of SHA-256 over the hardware
 //! facts that set the speed (class, CPU model, flags, core counts, big cluster, RAM in 256 MiB
 //! units) and the bundle's identity string.
 
 use std::collections::BTreeMap;
 use std::fs;
-use std::io::Write;
 use std::path::{Path, PathBuf};
 
 use serde::{Deserialize, Serialize};
@@ -306,20 +305,8 @@ pub fn store(dir: &Path, cal: &Calibration) -> Result<PathBuf, CalibrationError>
     };
     fs::create_dir_all(dir).map_err(werr(dir))?;
     let path = path_for(dir, &cal.fingerprint);
-    let tmp = dir.join(format!(".{}.json.tmp-{}", cal.fingerprint, std::process::id()));
     let text = serde_json::to_string_pretty(cal).unwrap_or_default() + "\n";
-    let result = (|| {
-        let mut f = fs::File::create(&tmp)?;
-        f.write_all(text.as_bytes())?;
-        f.sync_all()?;
-        fs::rename(&tmp, &path)?;
-        // make the rename itself durable
-        fs::File::open(dir)?.sync_all()
-    })();
-    if let Err(e) = result {
-        let _ = fs::remove_file(&tmp);
-        return Err(CalibrationError::Write { path, source: e });
-    }
+    crate::fsutil::write_atomic(&path, text.as_bytes()).map_err(werr(&path))?;
     Ok(path)
 }
 
@@ -628,9 +615,7 @@ mod tests {
         // not a regular file: a FIFO does not hang, a directory and a huge file are refused
         let path = path_for(&dir, fp);
         fs::remove_file(&path).unwrap();
-        let c_path = std::ffi::CString::new(path.to_str().unwrap()).unwrap();
-        // SAFETY: a valid NUL-terminated path
-        assert_eq!(unsafe { libc::mkfifo(c_path.as_ptr(), 0o600) }, 0);
+        nix::unistd::mkfifo(&path, nix::sys::stat::Mode::from_bits_truncate(0o600)).unwrap();
         assert!(reason(25).contains("not a regular file"));
         fs::remove_file(&path).unwrap();
         fs::create_dir(&path).unwrap();

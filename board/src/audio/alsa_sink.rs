@@ -6,7 +6,7 @@ use alsa::device_name::HintIter;
 use alsa::pcm::{Access, Format, HwParams, PCM};
 use alsa::{Direction, ValueOr};
 
-use super::{AudioSink, SampleFormat, Shaper, ShaperSettings, SinkError, SinkStats, StreamResampler};
+use super::{AudioSink, SampleFormat, ShaperSettings, ShapingStage, SinkError, SinkStats, StreamResampler};
 use crate::pcm::f32_to_s16;
 
 /// Advice appended to negotiation errors.
@@ -127,14 +127,12 @@ struct Open {
 /// QEMU virtio-snd although all audio was played, is logged and not treated as a failure.
 pub struct AlsaSink {
     settings: AlsaSettings,
-    shaper: Shaper,
+    stage: ShapingStage,
     open: Option<Open>,
     resampler: Option<StreamResampler>,
     use_resampler: bool,
-    shaped: Vec<f32>,
     resampled: Vec<f32>,
     bytes: Vec<u8>,
-    input_samples: u64,
     frames: u64,
     xruns: u32,
 }
@@ -144,14 +142,12 @@ impl AlsaSink {
     pub fn new(settings: AlsaSettings, shaper: ShaperSettings) -> Self {
         Self {
             settings,
-            shaper: Shaper::new(shaper),
+            stage: ShapingStage::new(shaper),
             open: None,
             resampler: None,
             use_resampler: false,
-            shaped: Vec::new(),
             resampled: Vec::new(),
             bytes: Vec::new(),
-            input_samples: 0,
             frames: 0,
             xruns: 0,
         }
@@ -292,13 +288,13 @@ impl AlsaSink {
         Ok(Open { pcm, rate: rate_g, channels, format, period, buffer })
     }
 
-    /// Convert `src` (mono at the device rate) to the device's frames in `self.bytes` and play
-    /// them all.
+    /// Convert the shaped samples (or, when `resampled`, their resampled copy: mono at the
+    /// device rate) to the device's frames in `self.bytes` and play them all.
     fn play(&mut self, resampled: bool) -> Result<(), SinkError> {
         let Some(open) = self.open.as_ref() else {
             return Err(SinkError::Config("write before begin".into()));
         };
-        let src = if resampled { &self.resampled } else { &self.shaped };
+        let src = if resampled { &self.resampled[..] } else { self.stage.shaped() };
         if src.is_empty() {
             return Ok(());
         }
@@ -321,6 +317,35 @@ impl AlsaSink {
         if let Some(r) = self.resampler.as_mut() {
             r.reset();
         }
+    }
+
+    /// Open and negotiate the device for an utterance at `sample_rate` Hz (closing one left
+    /// open) and set up the resampler when the device plays another rate.
+    fn open_device(&mut self, sample_rate: u32) -> Result<Open, SinkError> {
+        if self.open.is_some() {
+            log::warn!("audio device '{}': begin without finish; dropping the previous utterance", self.settings.device);
+            self.close(true);
+        }
+        let pcm = self.open_pcm()?;
+        let open = self.negotiate(pcm, sample_rate)?;
+        self.use_resampler = open.rate != sample_rate;
+        if self.use_resampler {
+            let reuse = self.resampler.as_ref().is_some_and(|r| r.in_rate() == sample_rate && r.out_rate() == open.rate);
+            if reuse {
+                if let Some(r) = self.resampler.as_mut() {
+                    r.reset();
+                }
+            } else {
+                self.resampler = Some(StreamResampler::new(sample_rate, open.rate)?);
+            }
+            log::debug!(
+                "audio device '{}' plays {} Hz; resampling {sample_rate} Hz -> {} Hz in herald",
+                self.settings.device,
+                open.rate,
+                open.rate
+            );
+        }
+        Ok(open)
     }
 
     fn drain(&self, open: &Open) -> Result<(), SinkError> {
@@ -477,51 +502,30 @@ fn wait_for_room(
 
 impl AudioSink for AlsaSink {
     fn begin(&mut self, sample_rate: u32) -> Result<(), SinkError> {
-        if sample_rate == 0 {
-            return Err(SinkError::Config("sample rate 0".into()));
-        }
-        if self.open.is_some() {
-            log::warn!("audio device '{}': begin without finish; dropping the previous utterance", self.settings.device);
-            self.close(true);
-        }
-        let pcm = self.open_pcm()?;
-        let open = self.negotiate(pcm, sample_rate)?;
-        self.use_resampler = open.rate != sample_rate;
-        if self.use_resampler {
-            let reuse = self.resampler.as_ref().is_some_and(|r| r.in_rate() == sample_rate && r.out_rate() == open.rate);
-            if reuse {
-                if let Some(r) = self.resampler.as_mut() {
-                    r.reset();
-                }
-            } else {
-                self.resampler = Some(StreamResampler::new(sample_rate, open.rate)?);
+        self.stage.begin(sample_rate)?;
+        match self.open_device(sample_rate) {
+            Ok(open) => {
+                self.open = Some(open);
+                self.frames = 0;
+                self.xruns = 0;
+                Ok(())
             }
-            log::debug!(
-                "audio device '{}' plays {} Hz; resampling {sample_rate} Hz -> {} Hz in herald",
-                self.settings.device,
-                open.rate,
-                open.rate
-            );
+            Err(e) => {
+                self.stage.abort();
+                Err(e)
+            }
         }
-        self.open = Some(open);
-        self.shaper.begin(sample_rate);
-        self.input_samples = 0;
-        self.frames = 0;
-        self.xruns = 0;
-        Ok(())
     }
 
     fn write(&mut self, samples: &[f32]) -> Result<(), SinkError> {
         if self.open.is_none() {
             return Err(SinkError::Config("write before begin".into()));
         }
-        self.input_samples += samples.len() as u64;
-        self.shaped.clear();
-        self.shaper.process(samples, &mut self.shaped);
+        let shaped = self.stage.process(samples)?;
         if self.use_resampler {
             self.resampled.clear();
             if let Some(r) = self.resampler.as_mut() {
-                r.process(&self.shaped, &mut self.resampled)?;
+                r.process(shaped, &mut self.resampled)?;
             }
         }
         self.play(self.use_resampler)
@@ -531,12 +535,11 @@ impl AudioSink for AlsaSink {
         if self.open.is_none() {
             return Err(SinkError::Config("finish before begin".into()));
         }
-        self.shaped.clear();
-        self.shaper.finish(&mut self.shaped);
+        let shaped = self.stage.finish()?;
         if self.use_resampler {
             self.resampled.clear();
             if let Some(r) = self.resampler.as_mut() {
-                r.process(&self.shaped, &mut self.resampled)?;
+                r.process(shaped, &mut self.resampled)?;
                 r.finish(&mut self.resampled)?;
             }
         }
@@ -546,7 +549,7 @@ impl AudioSink for AlsaSink {
         };
         let drained = self.drain(&open);
         let stats = SinkStats {
-            input_samples: self.input_samples,
+            input_samples: self.stage.input_samples(),
             frames_written: self.frames,
             xruns: self.xruns,
             device_rate: open.rate,
@@ -562,6 +565,7 @@ impl AudioSink for AlsaSink {
 
     fn abort(&mut self) {
         self.close(true);
+        self.stage.abort();
     }
 }
 

@@ -4,84 +4,8 @@ use std::fs::{File, OpenOptions};
 use std::io::{BufWriter, Write};
 use std::path::Path;
 
-use super::{AudioSink, SampleFormat, Shaper, ShaperSettings, SinkError, SinkStats};
+use super::{AudioSink, SampleFormat, ShaperSettings, ShapingStage, SinkError, SinkStats};
 use crate::pcm::f32_to_s16le;
-
-/// Utterance state shared by the sinks in this file: the shaper and its reusable buffers.
-struct Front {
-    shaper: Shaper,
-    shaped: Vec<f32>,
-    bytes: Vec<u8>,
-    rate: u32,
-    open: bool,
-    input_samples: u64,
-    frames: u64,
-}
-
-impl Front {
-    fn new(settings: ShaperSettings) -> Self {
-        Self {
-            shaper: Shaper::new(settings),
-            shaped: Vec::new(),
-            bytes: Vec::new(),
-            rate: 0,
-            open: false,
-            input_samples: 0,
-            frames: 0,
-        }
-    }
-
-    fn begin(&mut self, rate: u32) -> Result<(), SinkError> {
-        if rate == 0 {
-            return Err(SinkError::Config("sample rate 0".into()));
-        }
-        self.shaper.begin(rate);
-        self.rate = rate;
-        self.open = true;
-        self.input_samples = 0;
-        self.frames = 0;
-        Ok(())
-    }
-
-    /// Shape a chunk into `self.shaped` and its S16LE bytes into `self.bytes`.
-    fn process(&mut self, samples: &[f32]) -> Result<(), SinkError> {
-        if !self.open {
-            return Err(SinkError::Config("write before begin".into()));
-        }
-        self.shaped.clear();
-        self.shaper.process(samples, &mut self.shaped);
-        self.input_samples += samples.len() as u64;
-        self.frames += self.shaped.len() as u64;
-        f32_to_s16le(&self.shaped, &mut self.bytes);
-        Ok(())
-    }
-
-    fn finish(&mut self) -> Result<(), SinkError> {
-        if !self.open {
-            return Err(SinkError::Config("finish before begin".into()));
-        }
-        self.open = false;
-        self.shaped.clear();
-        self.shaper.finish(&mut self.shaped);
-        self.frames += self.shaped.len() as u64;
-        f32_to_s16le(&self.shaped, &mut self.bytes);
-        Ok(())
-    }
-
-    fn stats(&self, format: SampleFormat) -> SinkStats {
-        SinkStats {
-            input_samples: self.input_samples,
-            frames_written: self.frames,
-            xruns: 0,
-            device_rate: self.rate,
-            channels: 1,
-            format,
-            period_frames: 0,
-            buffer_frames: 0,
-            resampled: false,
-        }
-    }
-}
 
 /// The 44-byte header of a 16-bit PCM mono WAV stream of unknown length.
 ///
@@ -131,10 +55,11 @@ enum WavOut {
 /// Several utterances go into the same file back to back (each with its own lead/trail silence
 /// and fades); they must share one sample rate, since a WAV file has one.
 pub struct WavSink {
-    front: Front,
+    stage: ShapingStage,
     target: String,
     out: WavOut,
     rate: Option<u32>,
+    bytes: Vec<u8>,
 }
 
 impl WavSink {
@@ -163,7 +88,7 @@ impl WavSink {
         } else {
             WavOut::Stream { w: Box::new(BufWriter::with_capacity(1 << 16, file)), header_written: false }
         };
-        Ok(Self { front: Front::new(shaper), target, out, rate: None })
+        Ok(Self { stage: ShapingStage::new(shaper), target, out, rate: None, bytes: Vec::new() })
     }
 
     /// Stream to stdout (streaming header, flushed at every `finish`).
@@ -174,10 +99,11 @@ impl WavSink {
     /// Stream to any writer (streaming header; `target` names it in errors). Needs no `Seek`.
     pub fn stream(w: impl Write + Send + 'static, target: &str, shaper: ShaperSettings) -> Self {
         Self {
-            front: Front::new(shaper),
+            stage: ShapingStage::new(shaper),
             target: target.to_string(),
             out: WavOut::Stream { w: Box::new(w), header_written: false },
             rate: None,
+            bytes: Vec::new(),
         }
     }
 
@@ -193,19 +119,22 @@ impl WavSink {
         }
     }
 
-    fn write_bytes(&mut self) -> Result<(), SinkError> {
+    /// Write what the stage shaped last.
+    fn write_shaped(&mut self) -> Result<(), SinkError> {
         let target = &self.target;
+        let shaped = self.stage.shaped();
         match &mut self.out {
             WavOut::File(w) => {
-                let mut sw = w.get_i16_writer(self.front.shaped.len() as u32);
-                for &s in &self.front.shaped {
+                let mut sw = w.get_i16_writer(shaped.len() as u32);
+                for &s in shaped {
                     sw.write_sample(crate::pcm::f32_to_s16(s));
                 }
                 sw.flush().map_err(|source| SinkError::Wav { target: target.clone(), source })
             }
-            WavOut::Stream { w, .. } => w
-                .write_all(&self.front.bytes)
-                .map_err(|source| SinkError::Io { target: target.clone(), op: "write", source }),
+            WavOut::Stream { w, .. } => {
+                f32_to_s16le(shaped, &mut self.bytes);
+                w.write_all(&self.bytes).map_err(|source| SinkError::Io { target: target.clone(), op: "write", source })
+            }
             WavOut::Pending(_) | WavOut::Closed => Err(SinkError::Config(format!("WAV output {target}: not open"))),
         }
     }
@@ -221,7 +150,7 @@ impl AudioSink for WavSink {
                 self.target
             )));
         }
-        self.front.begin(sample_rate)?;
+        self.stage.begin(sample_rate)?;
         let target = &self.target;
         match std::mem::replace(&mut self.out, WavOut::Closed) {
             WavOut::Pending(f) => {
@@ -250,13 +179,13 @@ impl AudioSink for WavSink {
     }
 
     fn write(&mut self, samples: &[f32]) -> Result<(), SinkError> {
-        self.front.process(samples)?;
-        self.write_bytes()
+        self.stage.process(samples)?;
+        self.write_shaped()
     }
 
     fn finish(&mut self) -> Result<SinkStats, SinkError> {
-        self.front.finish()?;
-        self.write_bytes()?;
+        self.stage.finish()?;
+        self.write_shaped()?;
         let target = &self.target;
         match &mut self.out {
             WavOut::File(w) => w.flush().map_err(|source| SinkError::Wav { target: target.clone(), source })?,
@@ -265,27 +194,28 @@ impl AudioSink for WavSink {
             }
             WavOut::Pending(_) | WavOut::Closed => {}
         }
-        Ok(self.front.stats(SampleFormat::S16))
+        Ok(self.stage.stats(SampleFormat::S16))
     }
 
     fn abort(&mut self) {
         // Whatever was written stays written; only the held-back tail is dropped.
-        self.front.open = false;
+        self.stage.abort();
     }
 }
 
 /// Headerless S16LE mono samples at the model rate to any writer (stdout for `aplay -t raw`,
 /// a socket, a file). Byte-exact: 2 bytes per sample, nothing else, flushed at each `finish`.
 pub struct RawSink {
-    front: Front,
+    stage: ShapingStage,
     target: String,
     w: Box<dyn Write + Send>,
+    bytes: Vec<u8>,
 }
 
 impl RawSink {
     /// Raw samples to `w`; `target` names it in error messages.
     pub fn new(w: impl Write + Send + 'static, target: &str, shaper: ShaperSettings) -> Self {
-        Self { front: Front::new(shaper), target: target.to_string(), w: Box::new(w) }
+        Self { stage: ShapingStage::new(shaper), target: target.to_string(), w: Box::new(w), bytes: Vec::new() }
     }
 
     /// Raw samples to stdout.
@@ -293,69 +223,73 @@ impl RawSink {
         Self::new(BufWriter::with_capacity(1 << 16, std::io::stdout()), "stdout", shaper)
     }
 
+    /// Write what the stage shaped last.
     fn put(&mut self) -> Result<(), SinkError> {
         let target = &self.target;
-        self.w.write_all(&self.front.bytes).map_err(|source| SinkError::Io { target: target.clone(), op: "write", source })
+        f32_to_s16le(self.stage.shaped(), &mut self.bytes);
+        self.w.write_all(&self.bytes).map_err(|source| SinkError::Io { target: target.clone(), op: "write", source })
     }
 }
 
 impl AudioSink for RawSink {
     fn begin(&mut self, sample_rate: u32) -> Result<(), SinkError> {
-        self.front.begin(sample_rate)
+        self.stage.begin(sample_rate)
     }
 
     fn write(&mut self, samples: &[f32]) -> Result<(), SinkError> {
-        self.front.process(samples)?;
+        self.stage.process(samples)?;
         self.put()
     }
 
     fn finish(&mut self) -> Result<SinkStats, SinkError> {
-        self.front.finish()?;
+        self.stage.finish()?;
         self.put()?;
         let target = &self.target;
         self.w.flush().map_err(|source| SinkError::Io { target: target.clone(), op: "flush", source })?;
-        Ok(self.front.stats(SampleFormat::S16))
+        Ok(self.stage.stats(SampleFormat::S16))
     }
 
     fn abort(&mut self) {
-        self.front.open = false;
+        self.stage.abort();
     }
 }
 
 /// Discards the audio but shapes and counts it like the other sinks (benchmarks, dry runs).
 pub struct NullSink {
-    front: Front,
+    stage: ShapingStage,
 }
 
 impl NullSink {
     /// A null sink with these shaper settings (they change the counted length).
     pub fn new(shaper: ShaperSettings) -> Self {
-        Self { front: Front::new(shaper) }
+        Self { stage: ShapingStage::new(shaper) }
     }
 }
 
 impl AudioSink for NullSink {
     fn begin(&mut self, sample_rate: u32) -> Result<(), SinkError> {
-        self.front.begin(sample_rate)
+        self.stage.begin(sample_rate)
     }
 
     fn write(&mut self, samples: &[f32]) -> Result<(), SinkError> {
-        self.front.process(samples)
+        self.stage.process(samples)?;
+        Ok(())
     }
 
     fn finish(&mut self) -> Result<SinkStats, SinkError> {
-        self.front.finish()?;
-        Ok(self.front.stats(SampleFormat::S16))
+        self.stage.finish()?;
+        Ok(self.stage.stats(SampleFormat::S16))
     }
 
     fn abort(&mut self) {
-        self.front.open = false;
+        self.stage.abort();
     }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::audio::Shaper;
     use std::io::Read;
     use std::sync::{Arc, Mutex};
 

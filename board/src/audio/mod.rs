@@ -1,23 +1,35 @@
 //! Audio output: the [`AudioSink`] trait and its sinks (ALSA playback, WAV, raw S16LE, null).
 //!
 //! Every sink takes mono `f32` samples at the model rate (24 kHz for Qwen3-TTS, but any rate
-//! works), one utterance per `begin` … `finish`, and runs them through the same [`Shaper`]
-//! (gain, leading/trailing silence, 5 ms raised-cosine edge fades) before its own conversion,
-//! so a WAV file and ALSA playback of the same input carry the same samples. Float to 16-bit
-//! conversion is [`crate::pcm::f32_to_s16`] everywhere (clamp to [-1, 1], ×32767, round half
-//! away from zero).
+//! works), one utterance per `begin` … `finish`, and runs them through the same
+//! [`ShapingStage`] (the [`Shaper`]'s gain, leading/trailing silence and 5 ms raised-cosine edge
+//! fades, plus the call-order checks and sample counts) before its own conversion, so a WAV
+//! file and ALSA playback of the same input carry the same samples. Float to 16-bit conversion
+//! is [`crate::pcm::f32_to_s16`] everywhere (clamp to [-1, 1], ×32767, round half away from
+//! zero).
 //!
-//! Errors are [`SinkError`]; [`SinkError::kind`] sorts them for exit codes.
+//! Errors are [`SinkError`]; [`SinkError::kind`] sorts them for exit codes. A sink this module
+//! does not know (a network sink, a wrapper such as the amplifier gate in `crate::gpio`)
+//! reports its own failure as [`SinkError::Io`] (its socket's I/O error) or
+//! [`SinkError::Other`] (any error, with the [`SinkErrorKind`] it chooses).
+//!
+//! A new sink: own a [`ShapingStage`], call its `begin`/`process`/`finish` from the sink's
+//! own, convert the samples it returns, and report [`ShapingStage::stats`] (or your own
+//! [`SinkStats`] when the output is not the model rate).
+//!
+//! Dependencies point one way: `audio` uses only [`crate::pcm`]; `crate::gpio` uses `audio`.
 
 mod alsa_sink;
 mod file;
 mod resample;
 mod shaper;
+mod stage;
 
 pub use alsa_sink::{AlsaSettings, AlsaSink, DeviceInfo, list_playback_devices};
 pub use file::{NullSink, RawSink, WavSink, streaming_wav_header};
 pub use resample::StreamResampler;
 pub use shaper::{Shaper, ShaperSettings, fade_weight, ms_to_samples};
+pub use stage::ShapingStage;
 
 /// A destination for synthesized speech.
 ///
@@ -102,7 +114,8 @@ pub struct SinkStats {
 
 /// How a [`SinkError`] should be treated; the binary maps these to exit codes
 /// (suggested: `Config` → 2 "bad input or config", everything about the audio device → 3,
-/// `Output` → 2 when a path could not be created, or quietly 0 on a broken pipe).
+/// `Output` → 2 when a path could not be created, or quietly 0 on a broken pipe). A sink
+/// outside this module picks one for its [`SinkError::Other`].
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum SinkErrorKind {
     /// The device exists but another user holds it (EBUSY), after the bounded retry.
@@ -113,7 +126,7 @@ pub enum SinkErrorKind {
     Unsupported,
     /// The device failed while playing (I/O error, unrecoverable xrun, stall, permission).
     Device,
-    /// Writing a WAV/raw file or pipe failed.
+    /// Writing a WAV/raw file, a pipe or a network peer's socket failed.
     Output,
     /// Bad settings or API misuse (empty device name, rate 0, `write` before `begin`).
     Config,
@@ -172,10 +185,11 @@ pub enum SinkError {
         /// How long the write waited.
         waited_ms: u64,
     },
-    /// Writing a file or pipe failed.
+    /// Writing a file, pipe or socket failed (kind [`SinkErrorKind::Output`]).
     #[error("audio output {target}: {op} failed: {source}")]
     Io {
-        /// File path or "stdout" / "stream".
+        /// File path, "stdout" / "stream", or the peer of a network sink (e.g.
+        /// "wyoming client 192.0.2.7:41234").
         target: String,
         /// What was being done, e.g. "create" or "write".
         op: &'static str,
@@ -203,12 +217,24 @@ pub enum SinkError {
     /// Bad settings or calls in the wrong order.
     #[error("audio output: {0}")]
     Config(String),
-    /// The amplifier-enable GPIO line failed ([`crate::amp`]); a device error (exit 3).
-    #[error(transparent)]
-    Amplifier(Box<crate::amp::AmpError>),
+    /// A failure this enum does not name, reported by a sink or a wrapper around one (a network
+    /// sink's protocol error, the amplifier-enable GPIO line): `kind` sorts it, the message is
+    /// the source's own. Build it with [`SinkError::other`].
+    #[error("{source}")]
+    Other {
+        /// How to treat it (exit code).
+        kind: SinkErrorKind,
+        /// What failed; its message names the target and the operation.
+        source: Box<dyn std::error::Error + Send + Sync + 'static>,
+    },
 }
 
 impl SinkError {
+    /// A [`SinkError::Other`] of `kind` carrying `source` (any error, or a message).
+    pub fn other(kind: SinkErrorKind, source: impl Into<Box<dyn std::error::Error + Send + Sync + 'static>>) -> Self {
+        SinkError::Other { kind, source: source.into() }
+    }
+
     /// Classify this error (see [`SinkErrorKind`]).
     pub fn kind(&self) -> SinkErrorKind {
         match self {
@@ -218,16 +244,28 @@ impl SinkError {
             SinkError::Alsa { .. } | SinkError::Stalled { .. } => SinkErrorKind::Device,
             SinkError::Io { .. } | SinkError::Wav { .. } => SinkErrorKind::Output,
             SinkError::Resampler { .. } | SinkError::Config(_) => SinkErrorKind::Config,
-            SinkError::Amplifier(e) => e.kind(),
+            SinkError::Other { kind, .. } => *kind,
         }
     }
 
     /// Whether this is a write to a pipe whose reader has gone (EPIPE on a file descriptor),
-    /// which a command-line tool usually treats as a quiet end of output.
+    /// which a command-line tool usually treats as a quiet end of output. For
+    /// [`SinkError::Other`], whether an I/O error in its source chain is one.
     pub fn is_broken_pipe(&self) -> bool {
+        let broken = |e: &std::io::Error| e.kind() == std::io::ErrorKind::BrokenPipe;
         match self {
-            SinkError::Io { source, .. } => source.kind() == std::io::ErrorKind::BrokenPipe,
-            SinkError::Wav { source: hound::Error::IoError(e), .. } => e.kind() == std::io::ErrorKind::BrokenPipe,
+            SinkError::Io { source, .. } => broken(source),
+            SinkError::Wav { source: hound::Error::IoError(e), .. } => broken(e),
+            SinkError::Other { source, .. } => {
+                let mut cause: Option<&(dyn std::error::Error + 'static)> = Some(source.as_ref());
+                while let Some(e) = cause {
+                    if e.downcast_ref::<std::io::Error>().is_some_and(broken) {
+                        return true;
+                    }
+                    cause = e.source();
+                }
+                false
+            }
             _ => false,
         }
     }
@@ -255,5 +293,113 @@ mod tests {
         assert!(!io(std::io::ErrorKind::PermissionDenied).is_broken_pipe());
         assert_eq!(io(std::io::ErrorKind::PermissionDenied).kind(), SinkErrorKind::Output);
         assert_eq!(SinkError::Stalled { device: "d".into(), waited_ms: 1 }.kind(), SinkErrorKind::Device);
+    }
+
+    /// A sink written outside this module, the way a network front-end would: S16LE packets to a
+    /// socket, the shaping from [`ShapingStage`], its failures as [`SinkError`]s.
+    struct SocketSink {
+        stage: ShapingStage,
+        peer: std::os::unix::net::UnixStream,
+        bytes: Vec<u8>,
+        refuse_rate: Option<u32>,
+    }
+
+    /// A protocol failure of [`SocketSink`], e.g. the client asked for another format.
+    #[derive(Debug, thiserror::Error)]
+    #[error("socket client: cannot send {rate} Hz audio: client wants 16000 Hz")]
+    struct RateRefused {
+        rate: u32,
+    }
+
+    impl SocketSink {
+        fn send(&mut self) -> Result<(), SinkError> {
+            use std::io::Write;
+            crate::pcm::f32_to_s16le(self.stage.shaped(), &mut self.bytes);
+            self.peer.write_all(&self.bytes).map_err(|source| SinkError::Io {
+                target: "socket client".into(),
+                op: "send",
+                source,
+            })
+        }
+    }
+
+    impl AudioSink for SocketSink {
+        fn begin(&mut self, sample_rate: u32) -> Result<(), SinkError> {
+            if self.refuse_rate == Some(sample_rate) {
+                return Err(SinkError::other(SinkErrorKind::Unsupported, RateRefused { rate: sample_rate }));
+            }
+            self.stage.begin(sample_rate)
+        }
+        fn write(&mut self, samples: &[f32]) -> Result<(), SinkError> {
+            self.stage.process(samples)?;
+            self.send()
+        }
+        fn finish(&mut self) -> Result<SinkStats, SinkError> {
+            self.stage.finish()?;
+            self.send()?;
+            Ok(self.stage.stats(SampleFormat::S16))
+        }
+        fn abort(&mut self) {
+            self.stage.abort();
+        }
+    }
+
+    #[test]
+    fn a_network_sink_shapes_like_the_others_and_reports_its_own_failures() {
+        use std::io::Read;
+        let st = ShaperSettings { gain: 0.9, lead_silence_ms: 3, trail_silence_ms: 2, fade_ms: 5 };
+        let x: Vec<f32> = (0..2000).map(|i| (i as f32 * 0.07).sin() * 0.8).collect();
+        let (a, mut b) = std::os::unix::net::UnixStream::pair().unwrap();
+        let mut sink = SocketSink { stage: ShapingStage::new(st), peer: a, bytes: Vec::new(), refuse_rate: Some(16000) };
+        let reader = std::thread::spawn(move || {
+            let mut v = Vec::new();
+            b.read_to_end(&mut v).unwrap();
+            v
+        });
+        sink.begin(24000).unwrap();
+        for c in x.chunks(700) {
+            sink.write(c).unwrap();
+        }
+        let stats = sink.finish().unwrap();
+        // the client's own failure, sorted by the sink
+        let e = sink.begin(16000).unwrap_err();
+        assert_eq!(e.kind(), SinkErrorKind::Unsupported);
+        assert_eq!(e.to_string(), "socket client: cannot send 16000 Hz audio: client wants 16000 Hz");
+        assert!(!e.is_broken_pipe());
+        drop(sink);
+        let got = reader.join().unwrap();
+        // the same bytes as the raw sink: one shaping stage for every sink
+        #[derive(Clone, Default)]
+        struct Shared(std::sync::Arc<std::sync::Mutex<Vec<u8>>>);
+        impl std::io::Write for Shared {
+            fn write(&mut self, b: &[u8]) -> std::io::Result<usize> {
+                self.0.lock().unwrap().extend_from_slice(b);
+                Ok(b.len())
+            }
+            fn flush(&mut self) -> std::io::Result<()> {
+                Ok(())
+            }
+        }
+        let raw_out = Shared::default();
+        let mut raw = RawSink::new(raw_out.clone(), "vec", st);
+        raw.begin(24000).unwrap();
+        raw.write(&x).unwrap();
+        assert_eq!(raw.finish().unwrap(), stats);
+        assert_eq!(got, *raw_out.0.lock().unwrap());
+        assert_eq!(stats.frames_written, 72 + 2000 + 48);
+
+        // the peer hangs up: an I/O error of kind Output that reads as a broken pipe
+        let (a, b) = std::os::unix::net::UnixStream::pair().unwrap();
+        drop(b);
+        let mut sink = SocketSink { stage: ShapingStage::new(st), peer: a, bytes: Vec::new(), refuse_rate: None };
+        sink.begin(24000).unwrap();
+        let e = sink.write(&x).unwrap_err();
+        assert_eq!(e.kind(), SinkErrorKind::Output);
+        assert!(e.is_broken_pipe(), "{e}");
+        assert!(e.to_string().starts_with("audio output socket client: send failed: "), "{e}");
+        // the same error boxed by a wrapper keeps its broken-pipe reading
+        let wrapped = SinkError::other(SinkErrorKind::Output, e);
+        assert!(wrapped.is_broken_pipe());
+        assert!(wrapped.to_string().starts_with("audio output socket client: send failed: "));
     }
 }

@@ -1,0 +1,178 @@
+//! Atomic file replacement: one way, used for every file herald keeps.
+//!
+//! A file is written under a temporary name in its own directory (`tempfile`'s
+//! [`NamedTempFile`]: a fresh name, created exclusively), fsynced, renamed over the target
+//! ([`NamedTempFile::persist`]) and the directory fsynced, so a crash or power cut leaves
+//! either the old file or the new one, never a torn one, and the rename itself is durable.
+//! A failure before the rename removes the temporary file; the target is untouched.
+//!
+//! The new file gets the mode a plain `File::create` would give it (0o666 less the umask),
+//! not `tempfile`'s private 0o600.
+
+use std::ffi::OsString;
+use std::fs::{File, Permissions};
+use std::io::{self, Write};
+use std::os::unix::fs::PermissionsExt;
+use std::path::{Path, PathBuf};
+
+use tempfile::NamedTempFile;
+
+/// Replace `path` with `bytes` atomically (see the [module](self) docs). The directory must
+/// exist.
+///
+/// # Errors
+/// The I/O error of the step that failed (create, write, fsync, rename, directory fsync).
+pub fn write_atomic(path: &Path, bytes: &[u8]) -> io::Result<()> {
+    let mut file = AtomicFile::create(path)?;
+    file.file_mut().write_all(bytes)?;
+    file.commit()
+}
+
+/// A file being written that replaces its target only on [`commit`](Self::commit); dropped
+/// without a commit, it is removed and the target is left as it was.
+///
+/// For writers that stream (a WAV file written chunk by chunk): write through
+/// [`file_mut`](Self::file_mut), or open [`path`](Self::path) yourself (fsync at the commit
+/// covers writes through any handle of the file).
+#[derive(Debug)]
+pub struct AtomicFile {
+    temp: NamedTempFile,
+    target: PathBuf,
+}
+
+impl AtomicFile {
+    /// Create the temporary file for `target`, named `.<name>.<random>.tmp` in `target`'s
+    /// directory (which must exist).
+    ///
+    /// # Errors
+    /// `InvalidInput` when `target` has no file name; the error of creating the file.
+    pub fn create(target: &Path) -> io::Result<Self> {
+        let name = target
+            .file_name()
+            .ok_or_else(|| io::Error::new(io::ErrorKind::InvalidInput, format!("{}: no file name", target.display())))?;
+        let mut prefix = OsString::from(".");
+        prefix.push(name);
+        prefix.push(".");
+        let temp = tempfile::Builder::new()
+            .prefix(&prefix)
+            .suffix(".tmp")
+            .permissions(Permissions::from_mode(0o666))
+            .tempfile_in(parent_dir(target))?;
+        Ok(Self { temp, target: target.to_owned() })
+    }
+
+    /// The temporary file's path (it becomes the target's at the commit).
+    pub fn path(&self) -> &Path {
+        self.temp.path()
+    }
+
+    /// The file that replaces the target.
+    pub fn target(&self) -> &Path {
+        &self.target
+    }
+
+    /// The open temporary file, to write to.
+    pub fn file_mut(&mut self) -> &mut File {
+        self.temp.as_file_mut()
+    }
+
+    /// Flush the data to disk, rename the file over the target and make the rename durable.
+    ///
+    /// # Errors
+    /// The error of the fsync, the rename or the directory's fsync. After a failed fsync or
+    /// rename the temporary file is removed; a failed directory fsync comes after the rename.
+    pub fn commit(self) -> io::Result<()> {
+        self.temp.as_file().sync_all()?;
+        self.temp.persist(&self.target).map_err(|e| e.error)?;
+        sync_dir(parent_dir(&self.target))
+    }
+}
+
+/// fsync a directory, so that a rename or a creation in it survives a power cut.
+///
+/// # Errors
+/// The error of opening or syncing it.
+pub fn sync_dir(dir: &Path) -> io::Result<()> {
+    File::open(dir)?.sync_all()
+}
+
+/// The directory of `path`; `.` for a bare file name.
+fn parent_dir(path: &Path) -> &Path {
+    match path.parent() {
+        Some(p) if !p.as_os_str().is_empty() => p,
+        _ => Path::new("."),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::fs;
+
+    fn scratch(tag: &str) -> PathBuf {
+        let dir = std::env::temp_dir().join(format!("herald-fsutil-{tag}-{}", std::process::id()));
+        let _ = fs::remove_dir_all(&dir);
+        fs::create_dir_all(&dir).unwrap();
+        dir
+    }
+
+    fn names(dir: &Path) -> Vec<String> {
+        let mut v: Vec<String> =
+            fs::read_dir(dir).unwrap().map(|e| e.unwrap().file_name().to_string_lossy().into_owned()).collect();
+        v.sort();
+        v
+    }
+
+    #[test]
+    fn writes_replaces_and_leaves_no_temporary_file() {
+        let dir = scratch("write");
+        let path = dir.join("a.json");
+        write_atomic(&path, b"one").unwrap();
+        assert_eq!(fs::read(&path).unwrap(), b"one");
+        write_atomic(&path, b"two, longer").unwrap();
+        assert_eq!(fs::read(&path).unwrap(), b"two, longer");
+        assert_eq!(names(&dir), ["a.json"]);
+        // the mode of a plain File::create, not 0o600
+        fs::write(dir.join("plain"), b"").unwrap();
+        let mode = |p: &Path| fs::metadata(p).unwrap().permissions().mode() & 0o777;
+        assert_eq!(mode(&path), mode(&dir.join("plain")));
+        fs::remove_dir_all(&dir).unwrap();
+    }
+
+    #[test]
+    fn an_uncommitted_file_is_removed_and_the_target_kept() {
+        let dir = scratch("drop");
+        let path = dir.join("out.wav");
+        fs::write(&path, b"old").unwrap();
+        let mut f = AtomicFile::create(&path).unwrap();
+        f.file_mut().write_all(b"half").unwrap();
+        let temp = f.path().to_owned();
+        assert_eq!(temp.parent(), Some(dir.as_path()));
+        assert!(temp.file_name().unwrap().to_string_lossy().starts_with(".out.wav."));
+        assert_eq!(f.target(), path);
+        drop(f);
+        assert!(!temp.exists());
+        assert_eq!(names(&dir), ["out.wav"]);
+        assert_eq!(fs::read(&path).unwrap(), b"old");
+        // written by path through another handle, then committed
+        let f = AtomicFile::create(&path).unwrap();
+        fs::write(f.path(), b"new").unwrap();
+        f.commit().unwrap();
+        assert_eq!(fs::read(&path).unwrap(), b"new");
+        assert_eq!(names(&dir), ["out.wav"]);
+        fs::remove_dir_all(&dir).unwrap();
+    }
+
+    #[test]
+    fn failures_name_nothing_new_on_disk() {
+        let dir = scratch("fail");
+        let e = write_atomic(&dir.join("missing/x.json"), b"x").unwrap_err();
+        assert_eq!(e.kind(), io::ErrorKind::NotFound);
+        // a directory in the way: the rename fails and the temporary file goes
+        fs::create_dir(dir.join("taken")).unwrap();
+        assert!(write_atomic(&dir.join("taken"), b"x").is_err());
+        assert_eq!(names(&dir), ["taken"]);
+        assert_eq!(AtomicFile::create(Path::new("/")).unwrap_err().kind(), io::ErrorKind::InvalidInput);
+        fs::remove_dir_all(&dir).unwrap();
+    }
+}
