@@ -36,19 +36,19 @@ pub enum Refused {
     /// `capacity` jobs are already waiting.
     Full {
         /// The job.
-        job: Job,
+        job: Box<Job>,
         /// The queue's capacity.
         capacity: usize,
     },
     /// The queue was stopped ([`Stop`]) or its worker is gone.
-    Stopped(Job),
+    Stopped(Box<Job>),
 }
 
 impl Refused {
     /// The job that was refused.
     pub fn into_job(self) -> Job {
         match self {
-            Refused::Full { job, .. } | Refused::Stopped(job) => job,
+            Refused::Full { job, .. } | Refused::Stopped(job) => *job,
         }
     }
 }
@@ -111,9 +111,9 @@ impl std::fmt::Debug for Queue {
 }
 
 impl Queue {
-    /// Start the worker thread with `performer`, taking up to `capacity` waiting jobs (at least
-    /// 1) besides the one in progress. After `stop`, jobs are refused and waiting ones are
-    /// cancelled.
+    /// Start the worker thread with `performer`, taking up to `capacity` waiting jobs besides
+    /// the one in progress (a capacity of 0 counts as 1). After `stop`, jobs are refused and
+    /// waiting ones are cancelled.
     ///
     /// # Errors
     /// The thread could not be started.
@@ -157,12 +157,12 @@ impl Queue {
     /// # Errors
     /// [`Refused::Full`] when `capacity` jobs are waiting, [`Refused::Stopped`] after the stop.
     pub fn try_submit(&self, job: Job) -> Result<JobHandle, Refused> {
-        let Some(tx) = self.open() else { return Err(Refused::Stopped(job)) };
+        let Some(tx) = self.open() else { return Err(Refused::Stopped(Box::new(job))) };
         let (queued, handle) = wrap(job);
         match tx.try_send(queued) {
             Ok(()) => Ok(handle),
-            Err(TrySendError::Full(q)) => Err(Refused::Full { job: q.job, capacity: self.capacity }),
-            Err(TrySendError::Disconnected(q)) => Err(Refused::Stopped(q.job)),
+            Err(TrySendError::Full(q)) => Err(Refused::Full { job: Box::new(q.job), capacity: self.capacity }),
+            Err(TrySendError::Disconnected(q)) => Err(Refused::Stopped(Box::new(q.job))),
         }
     }
 
@@ -171,9 +171,9 @@ impl Queue {
     /// # Errors
     /// [`Refused::Stopped`] after the stop.
     pub fn submit(&self, job: Job) -> Result<JobHandle, Refused> {
-        let Some(tx) = self.open() else { return Err(Refused::Stopped(job)) };
+        let Some(tx) = self.open() else { return Err(Refused::Stopped(Box::new(job))) };
         let (queued, handle) = wrap(job);
-        tx.send(queued).map(|()| handle).map_err(|mpsc::SendError(q)| Refused::Stopped(q.job))
+        tx.send(queued).map(|()| handle).map_err(|mpsc::SendError(q)| Refused::Stopped(Box::new(q.job)))
     }
 
     /// The sender, unless the queue was stopped.

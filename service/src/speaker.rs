@@ -184,14 +184,19 @@ pub struct Spoken {
     pub stats: SinkStats,
 }
 
+/// Called once the job's sink is open, just before synthesis starts.
+type OnBegin = Box<dyn FnOnce(&Request) + Send>;
+/// Called for every chunk of audio.
+type OnChunk = Box<dyn FnMut() + Send>;
+
 /// One utterance to speak: the request, where it goes, its cancel handle and its callbacks.
 pub struct Job {
     /// What to say and how.
     pub request: Request,
     target: Target,
     cancel: Cancel,
-    on_begin: Option<Box<dyn FnOnce(&Request) + Send>>,
-    on_chunk: Option<Box<dyn FnMut() + Send>>,
+    on_begin: Option<OnBegin>,
+    on_chunk: Option<OnChunk>,
 }
 
 impl std::fmt::Debug for Job {
