@@ -34,19 +34,42 @@ pub fn write_atomic(path: &Path, bytes: &[u8]) -> io::Result<()> {
 /// For writers that stream (a WAV file written chunk by chunk): write through
 /// [`file_mut`](Self::file_mut), or open [`path`](Self::path) yourself (fsync at the commit
 /// covers writes through any handle of the file).
+///
+/// A target that exists and is not a regular file (`/dev/null`, a FIFO, a terminal) cannot be
+/// replaced by a rename, and is not a file worth keeping: it is written directly.
 #[derive(Debug)]
 pub struct AtomicFile {
-    temp: NamedTempFile,
+    inner: Inner,
     target: PathBuf,
+}
+
+#[derive(Debug)]
+enum Inner {
+    /// The temporary file, renamed over the target at the commit.
+    Temp(NamedTempFile),
+    /// The target itself (not a regular file), opened for writing.
+    Direct(File),
 }
 
 impl AtomicFile {
     /// Create the temporary file for `target`, named `.<name>.<random>.tmp` in `target`'s
-    /// directory (which must exist).
+    /// directory (which must exist); or open `target` itself when it exists and is not a
+    /// regular file.
     ///
     /// # Errors
-    /// `InvalidInput` when `target` has no file name; the error of creating the file.
+    /// `InvalidInput` when `target` has no file name, `IsADirectory` when it is a directory; the
+    /// error of creating or opening the file.
     pub fn create(target: &Path) -> io::Result<Self> {
+        match std::fs::metadata(target) {
+            Ok(m) if m.is_dir() => {
+                return Err(io::Error::new(io::ErrorKind::IsADirectory, format!("{}: is a directory", target.display())));
+            }
+            Ok(m) if !m.is_file() => {
+                let file = std::fs::OpenOptions::new().write(true).truncate(true).open(target)?;
+                return Ok(Self { inner: Inner::Direct(file), target: target.to_owned() });
+            }
+            _ => {}
+        }
         let name = target
             .file_name()
             .ok_or_else(|| io::Error::new(io::ErrorKind::InvalidInput, format!("{}: no file name", target.display())))?;
@@ -58,12 +81,16 @@ impl AtomicFile {
             .suffix(".tmp")
             .permissions(Permissions::from_mode(0o666))
             .tempfile_in(parent_dir(target))?;
-        Ok(Self { temp, target: target.to_owned() })
+        Ok(Self { inner: Inner::Temp(temp), target: target.to_owned() })
     }
 
-    /// The temporary file's path (it becomes the target's at the commit).
+    /// The path being written: the temporary file (it becomes the target's at the commit), or
+    /// the target itself when it is written directly.
     pub fn path(&self) -> &Path {
-        self.temp.path()
+        match &self.inner {
+            Inner::Temp(t) => t.path(),
+            Inner::Direct(_) => &self.target,
+        }
     }
 
     /// The file that replaces the target.
@@ -71,20 +98,29 @@ impl AtomicFile {
         &self.target
     }
 
-    /// The open temporary file, to write to.
+    /// The open file, to write to.
     pub fn file_mut(&mut self) -> &mut File {
-        self.temp.as_file_mut()
+        match &mut self.inner {
+            Inner::Temp(t) => t.as_file_mut(),
+            Inner::Direct(f) => f,
+        }
     }
 
-    /// Flush the data to disk, rename the file over the target and make the rename durable.
+    /// Flush the data to disk, rename the file over the target and make the rename durable (for
+    /// a target written directly: nothing more to do).
     ///
     /// # Errors
     /// The error of the fsync, the rename or the directory's fsync. After a failed fsync or
     /// rename the temporary file is removed; a failed directory fsync comes after the rename.
     pub fn commit(self) -> io::Result<()> {
-        self.temp.as_file().sync_all()?;
-        self.temp.persist(&self.target).map_err(|e| e.error)?;
-        sync_dir(parent_dir(&self.target))
+        match self.inner {
+            Inner::Temp(temp) => {
+                temp.as_file().sync_all()?;
+                temp.persist(&self.target).map_err(|e| e.error)?;
+                sync_dir(parent_dir(&self.target))
+            }
+            Inner::Direct(_) => Ok(()),
+        }
     }
 }
 
@@ -172,7 +208,11 @@ mod tests {
         fs::create_dir(dir.join("taken")).unwrap();
         assert!(write_atomic(&dir.join("taken"), b"x").is_err());
         assert_eq!(names(&dir), ["taken"]);
-        assert_eq!(AtomicFile::create(Path::new("/")).unwrap_err().kind(), io::ErrorKind::InvalidInput);
+        assert_eq!(AtomicFile::create(Path::new("/")).unwrap_err().kind(), io::ErrorKind::IsADirectory);
+        assert_eq!(AtomicFile::create(Path::new("")).unwrap_err().kind(), io::ErrorKind::InvalidInput);
+        // not a regular file: written in place, never renamed over
+        write_atomic(Path::new("/dev/null"), b"x").unwrap();
+        assert!(Path::new("/dev/null").exists());
         fs::remove_dir_all(&dir).unwrap();
     }
 }

@@ -5,7 +5,7 @@
 //! always on: cheap next to the allocation itself; it sits under the frame pools, see
 //! `engine::pool` and `main.rs`) for heap allocations per frame, and the peak resident set (`VmHWM` of
 //! `/proc/self/status`). Results go to standard output as markdown, and optionally to a JSON
-//! and a markdown file (each written to a temporary file and renamed).
+//! and a markdown file (each written atomically, [`service::write_atomic`]).
 
 use std::alloc::{GlobalAlloc, Layout, System};
 use std::io::Write;
@@ -15,6 +15,9 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use anyhow::Context;
 use clap::Args;
 use ::bench::{BenchConfig, BenchResult};
+
+use super::init_logging;
+use crate::exit::{self, Failure, fail};
 
 /// The system allocator, counting the allocations and reallocations that reach it (all
 /// threads). Wrapped by the process's global allocator, `engine::pool::Pooled` (`main.rs`).
@@ -108,15 +111,9 @@ fn peak_rss() -> Option<u64> {
     Some(kb * 1024)
 }
 
-/// Write `data` to `path` through a temporary sibling and a rename.
+/// Write `data` to `path` atomically.
 fn write_atomic(path: &Path, data: &[u8]) -> anyhow::Result<()> {
-    let name = path.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_else(|| "out".into());
-    let tmp = path.with_file_name(format!(".{name}.tmp-{}", std::process::id()));
-    let r = std::fs::write(&tmp, data).and_then(|()| std::fs::rename(&tmp, path));
-    if r.is_err() {
-        let _ = std::fs::remove_file(&tmp);
-    }
-    r.with_context(|| format!("{}: cannot write", path.display()))
+    service::write_atomic(path, data).with_context(|| format!("{}: cannot write", path.display()))
 }
 
 /// Validate the flags into a [`BenchConfig`].
@@ -154,11 +151,20 @@ pub fn config(a: &BenchArgs) -> anyhow::Result<BenchConfig> {
     })
 }
 
+/// Run `herald bench`: an engine error exits with its code, anything else as bad input.
+pub fn run(a: BenchArgs) -> Result<(), Failure> {
+    init_logging(std::env::var("RUST_LOG").as_deref().unwrap_or("warn"));
+    bench(&a).map(|_| ()).map_err(|e| {
+        let code = e.downcast_ref::<engine::EngineError>().map_or(exit::INPUT, exit::engine_code);
+        fail(code, e)
+    })
+}
+
 /// Run the benchmark and write its outputs.
 ///
 /// # Errors
 /// Engine errors (as [`engine::EngineError`] inside the anyhow chain) and output errors.
-pub fn run(a: &BenchArgs) -> anyhow::Result<BenchResult> {
+pub fn bench(a: &BenchArgs) -> anyhow::Result<BenchResult> {
     let cfg = config(a)?;
     let counter: &dyn Fn() -> u64 = &allocations;
     let mut r = ::bench::run(&a.bundle, &cfg, Some(counter))?;

@@ -18,11 +18,14 @@ use std::path::{Path, PathBuf};
 use std::time::{Instant, SystemTime, UNIX_EPOCH};
 
 use board::calibration::{self, Calibration, MIN_JITTER_MS, Measured};
-use engine::prompt::PromptMode;
 use engine::{Engine, EngineSettings, PlaybackMetrics, Request};
+use model::stats::median;
+use service::{Cancel, Voice};
 
-use crate::config::{Config, SynthesisMode};
-use crate::{EXIT_BUNDLE, EXIT_INPUT, Failure, INTERRUPTED, engine_code, fail, tune_failure, tuning};
+use super::{init_logging_from, load_config};
+use crate::config::{CliOverrides, Config};
+use crate::exit::{self, Failure, engine_code, fail};
+use crate::tuning;
 
 /// Frames per measured utterance at most (9.6 s of audio).
 pub const MAX_FRAMES: usize = 120;
@@ -59,47 +62,44 @@ pub struct CalibrateArgs {
     pub chart: Option<PathBuf>,
 }
 
-fn median(v: &mut [f64]) -> f64 {
-    v.sort_by(f64::total_cmp);
-    if v.is_empty() { 0.0 } else { v[v.len() / 2] }
+/// The `i`th calibration utterance in the configured voice, with a fixed seed and frame cap.
+fn request(voice: &Voice, i: usize) -> Request {
+    Request { seed: Some(SEED + i as u64), max_frames: Some(MAX_FRAMES), ..voice.request(TEXTS[i % TEXTS.len()]) }
 }
 
-fn request(cfg: &Config, i: usize) -> Request {
-    Request {
-        text: TEXTS[i % TEXTS.len()].to_string(),
-        language: Some(cfg.synthesis.language.clone()),
-        speaker: cfg.synthesis.speaker.clone(),
-        mode: match cfg.synthesis.mode {
-            SynthesisMode::Streaming => PromptMode::Streaming,
-            SynthesisMode::NonStreaming => PromptMode::NonStreaming,
-        },
-        seed: Some(SEED + i as u64),
-        max_frames: Some(MAX_FRAMES),
-        force_eos_at: None,
-    }
-}
-
-/// One utterance without audio output: its report.
+/// One utterance without audio output: its report. SIGINT/SIGTERM cancel it (exit 130).
 fn measure(engine: &Engine, req: &Request) -> Result<engine::Report, Failure> {
-    engine.synthesize(req, &INTERRUPTED, |_| Ok(())).map_err(|e| fail(engine_code(&e), e))
+    let cancel = Cancel::new();
+    let _running = crate::STOP.guard(&cancel);
+    engine.synthesize(req, cancel.flag(), |_| Ok(())).map_err(|e| fail(engine_code(&e), e))
+}
+
+/// Run `herald calibrate`.
+pub fn run(config: Option<&Path>, args: CalibrateArgs) -> Result<(), Failure> {
+    let mut cfg = load_config(config)?;
+    init_logging_from(&cfg);
+    cfg.apply_cli(&CliOverrides { bundle: args.bundle.clone(), ..CliOverrides::default() })
+        .map_err(|e| fail(exit::INPUT, e))?;
+    calibrate(&cfg, &args)
 }
 
 /// Run the calibration; prints a summary and the path written.
-pub fn run(cfg: &Config, args: &CalibrateArgs) -> Result<(), Failure> {
+fn calibrate(cfg: &Config, args: &CalibrateArgs) -> Result<(), Failure> {
     let mut cfg = cfg.clone();
     if let Some(d) = &args.dir {
         cfg.runtime.calibration_dir = d.clone();
     }
     let cfg = &cfg;
     // Where the results go must be writable before minutes of measuring, not after.
-    check_store_dir(&cfg.runtime.calibration_dir).map_err(|e| fail(EXIT_INPUT, e))?;
+    check_store_dir(&cfg.runtime.calibration_dir).map_err(|e| fail(exit::INPUT, e))?;
     if let Some(chart) = &args.chart {
-        check_chart_path(chart).map_err(|e| fail(EXIT_INPUT, e))?;
+        check_chart_path(chart).map_err(|e| fail(exit::INPUT, e))?;
     }
+    let voice = crate::speaker::settings(cfg, false).voice;
     let dir = &cfg.model.bundle;
-    let bundle_ctx = |e: engine::ManifestError| fail(EXIT_BUNDLE, anyhow::Error::new(e).context(format!("bundle {}", dir.display())));
+    let bundle_ctx = |e: engine::ManifestError| fail(exit::BUNDLE, anyhow::Error::new(e).context(format!("bundle {}", dir.display())));
     let manifest = engine::read_manifest(dir).map_err(bundle_ctx)?;
-    let tuned = tuning::tune(cfg, dir, &manifest).map_err(tune_failure)?;
+    let tuned = tuning::tune(cfg, dir, &manifest)?;
     tuned.log();
     let profile_override = tuned.profile.source.starts_with("override:");
     if profile_override {
@@ -119,14 +119,14 @@ pub fn run(cfg: &Config, args: &CalibrateArgs) -> Result<(), Failure> {
     let frame_ms = 1e3 * f64::from(manifest.audio.samples_per_frame) / f64::from(manifest.audio.sample_rate);
     log::info!("bundle loaded in {:.2} s; warming up", t_load.elapsed().as_secs_f64());
 
-    measure(&engine, &request(cfg, 0))?;
+    measure(&engine, &request(&voice, 0))?;
     let mut rates = Vec::new();
     let mut prefill = Vec::new();
     let mut decode = Vec::new();
     let mut ttfa = Vec::new();
     let mut timelines = Vec::new();
     for i in 0..args.utterances as usize {
-        let r = measure(&engine, &request(cfg, i + 1))?;
+        let r = measure(&engine, &request(&voice, i + 1))?;
         match calibration::rate_from_chunks(&r.chunk_times) {
             Some(rate) if r.chunk_times.len() >= 3 => {
                 rates.push(rate);
@@ -191,7 +191,7 @@ pub fn run(cfg: &Config, args: &CalibrateArgs) -> Result<(), Failure> {
         schedule,
     };
     let store_dir = cfg.runtime.calibration_dir.clone();
-    let path = calibration::store(&store_dir, &cal).map_err(|e| fail(EXIT_INPUT, e))?;
+    let path = calibration::store(&store_dir, &cal).map_err(|e| fail(exit::INPUT, e))?;
     let m = &cal.measured;
     println!("board       {}", cal.hardware);
     println!("bundle      {}", cal.bundle);
@@ -216,7 +216,7 @@ pub fn run(cfg: &Config, args: &CalibrateArgs) -> Result<(), Failure> {
         // the same warm engine, the same text as the first measured utterance, the new ramp
         let mut engine = engine;
         engine.set_ramp(&cal.schedule.ramp).map_err(|e| fail(engine_code(&e), e))?;
-        let calibrated = measure(&engine, &request(cfg, 1))?;
+        let calibrated = measure(&engine, &request(&voice, 1))?;
         let reference = timelines.first().cloned().unwrap_or_default();
         let lanes = [
             Lane { title: format!("default ramp {default_ramp:?}"), chunks: reference, frame_s: frame_ms / 1e3 },
@@ -228,7 +228,7 @@ pub fn run(cfg: &Config, args: &CalibrateArgs) -> Result<(), Failure> {
             p.cpu_model, p.class, p.n_logical, manifest.model.family, manifest.model.size, manifest.model.dtype
         );
         let svg = chart_svg(&title, &lanes);
-        write_atomic(chart, svg.as_bytes()).map_err(|e| fail(EXIT_INPUT, e))?;
+        write_chart(chart, svg.as_bytes()).map_err(|e| fail(exit::INPUT, e))?;
         println!("chart       {}", chart.display());
     }
     Ok(())
@@ -268,22 +268,12 @@ fn probe_write(dir: &Path) -> std::io::Result<()> {
     std::fs::remove_file(&probe)
 }
 
-/// Write `bytes` to `path` through a temporary file in the same directory and a rename (the
-/// path was checked by [`check_chart_path`]: new or a regular file).
-fn write_atomic(path: &Path, bytes: &[u8]) -> anyhow::Result<()> {
+/// Write the chart atomically ([`service::write_atomic`]), checking the path again first (new
+/// or a regular file: never rename over a device).
+fn write_chart(path: &Path, bytes: &[u8]) -> anyhow::Result<()> {
     use anyhow::Context as _;
     check_chart_path(path)?;
-    let dir = path.parent().filter(|d| !d.as_os_str().is_empty()).unwrap_or(Path::new("."));
-    let name = path.file_name().with_context(|| format!("--chart {}: not a file name", path.display()))?;
-    let tmp = dir.join(format!(".{}.tmp-{}", name.to_string_lossy(), std::process::id()));
-    std::fs::write(&tmp, bytes).map_err(|e| {
-        let _ = std::fs::remove_file(&tmp);
-        anyhow::Error::new(e).context(format!("cannot write {}", path.display()))
-    })?;
-    std::fs::rename(&tmp, path).map_err(|e| {
-        let _ = std::fs::remove_file(&tmp);
-        anyhow::Error::new(e).context(format!("cannot write {}", path.display()))
-    })
+    service::write_atomic(path, bytes).with_context(|| format!("cannot write {}", path.display()))
 }
 
 /// One timeline of the chart.

@@ -1,0 +1,69 @@
+//! `herald info`: a bundle's model facts, graphs, speakers and languages, and a memory estimate.
+
+use std::io::Write;
+use std::path::{Path, PathBuf};
+
+use super::{init_logging_from, load_config};
+use crate::exit::{self, Failure, fail};
+
+/// The flags of `herald info`.
+#[derive(clap::Args)]
+pub struct InfoArgs {
+    /// Bundle directory (overrides model.bundle).
+    #[arg(long, value_name = "DIR")]
+    bundle: Option<PathBuf>,
+}
+
+/// Run `herald info`.
+pub fn run(config: Option<&Path>, a: InfoArgs) -> Result<(), Failure> {
+    let cfg = load_config(config)?;
+    init_logging_from(&cfg);
+    let dir = a.bundle.unwrap_or_else(|| cfg.model.bundle.clone());
+    let m = engine::read_manifest(&dir)
+        .map_err(|e| fail(exit::BUNDLE, anyhow::Error::new(e).context(format!("bundle {}", dir.display()))))?;
+    match print_info(&dir, &m) {
+        Err(e) if e.kind() != std::io::ErrorKind::BrokenPipe => Err(fail(exit::BUG, e)),
+        _ => Ok(()),
+    }
+}
+
+fn print_info(dir: &Path, m: &engine::Manifest) -> std::io::Result<()> {
+    let mut o = std::io::stdout().lock();
+    writeln!(o, "bundle      {}", dir.display())?;
+    writeln!(o, "model       {} {} {} ({}), from {}", m.model.family, m.model.size, m.model.kind, m.model.dtype, m.model.source)?;
+    writeln!(o, 
+        "audio       {} Hz, {} samples/frame ({} frames/s), {} codebooks x {}",
+        m.audio.sample_rate,
+        m.audio.samples_per_frame,
+        m.frame_rate(),
+        m.audio.num_codebooks,
+        m.audio.codebook_size
+    )?;
+    for (name, s) in [("talker", &m.talker), ("predictor", &m.code_predictor)] {
+        let sliding = s.cache.iter().filter(|c| matches!(c, engine::manifest::CacheKind::Sliding { .. })).count();
+        writeln!(o, 
+            "{name:<11} {} layers ({} sliding), hidden {}, {} q / {} kv heads x {}",
+            s.layers, sliding, s.hidden, s.heads, s.kv_heads, s.head_dim
+        )?;
+    }
+    let names = |map: &std::collections::BTreeMap<String, u32>| {
+        if map.is_empty() { "(none)".to_string() } else { map.keys().cloned().collect::<Vec<_>>().join(", ") }
+    };
+    writeln!(o, "languages   auto, {}", names(&m.languages))?;
+    writeln!(o, "speakers    {}", names(&m.speakers))?;
+    let mut total = 0u64;
+    for (name, g) in &m.graphs {
+        let size = std::fs::metadata(dir.join(&g.file)).map(|md| md.len()).unwrap_or(0);
+        total += size;
+        writeln!(o, "graph       {name:<15} {:>9.1} MB  {} inputs, {} outputs", size as f64 / 1e6, g.inputs.len(), g.outputs.len())?;
+    }
+    let tables = std::fs::metadata(dir.join(&m.tables.file)).map(|md| md.len()).unwrap_or(0);
+    let kv_per_pos = model::footprint::kv_bytes_per_position(&m.talker, m.dtype());
+    writeln!(o, "tables      {:>9.1} MB (memory-mapped; only the rows a prompt uses become resident)", tables as f64 / 1e6)?;
+    writeln!(o, 
+        "memory      ~{:.1} MB of graph weights + {:.1} KiB KV cache per talker position",
+        total as f64 / 1e6,
+        kv_per_pos as f64 / 1024.0
+    )?;
+    Ok(())
+}

@@ -1,0 +1,204 @@
+//! `herald speak`: one text, spoken through ALSA or written as WAV / raw PCM, then exit.
+
+use std::io::{IsTerminal, Read, Write};
+use std::path::{Path, PathBuf};
+use std::time::Instant;
+
+use engine::StopReason;
+use service::{Job, JobError, Speaker, Target};
+
+use super::{init_logging_from, load_config, rss_text};
+use crate::config::{CliOverrides, Config, Sampling, SynthesisMode};
+use crate::exit::{self, Failure, fail};
+use crate::tuning;
+
+/// The flags of `herald speak`.
+#[derive(clap::Args)]
+pub struct SpeakArgs {
+    /// The text; `-` or nothing reads standard input (UTF-8).
+    text: Option<String>,
+    /// Bundle directory (overrides model.bundle).
+    #[arg(long, value_name = "DIR")]
+    bundle: Option<PathBuf>,
+    /// Write a 16-bit mono WAV to FILE, or to standard output with `-` (streaming header).
+    #[arg(long, value_name = "FILE", conflicts_with = "raw")]
+    out: Option<String>,
+    /// Write raw S16LE mono PCM at the model rate to standard output (no header).
+    #[arg(long)]
+    raw: bool,
+    /// ALSA playback PCM (overrides audio.device), e.g. `default`, `plughw:1,0`.
+    #[arg(long, value_name = "PCM")]
+    device: Option<String>,
+    /// Speaker name from the bundle (see `herald info`).
+    #[arg(long)]
+    speaker: Option<String>,
+    /// Language from the bundle, or `auto`.
+    #[arg(long)]
+    language: Option<String>,
+    /// Seed of the sampler (reproducible output).
+    #[arg(long, conflicts_with = "greedy")]
+    seed: Option<u64>,
+    /// Greedy decoding instead of sampling.
+    #[arg(long)]
+    greedy: bool,
+    /// Prompt mode (overrides synthesis.mode): streaming or non-streaming.
+    #[arg(long, value_name = "MODE")]
+    mode: Option<SynthesisMode>,
+    /// Linear output gain 0.0..=2.0 (overrides audio.volume).
+    #[arg(long)]
+    volume: Option<f64>,
+}
+
+/// Run `herald speak`.
+pub fn run(config: Option<&Path>, a: SpeakArgs) -> Result<(), Failure> {
+    let mut cfg = load_config(config)?;
+    init_logging_from(&cfg);
+    let overrides = CliOverrides {
+        bundle: a.bundle,
+        device: a.device,
+        speaker: a.speaker,
+        language: a.language,
+        seed: a.seed,
+        mode: a.mode,
+        volume: a.volume,
+        // --seed asks for sampling even when the config says greedy
+        sampling: if a.greedy { Some(Sampling::Greedy) } else { a.seed.map(|_| Sampling::Sample) },
+        ..CliOverrides::default()
+    };
+    cfg.apply_cli(&overrides).map_err(|e| fail(exit::INPUT, e))?;
+    if (a.out.is_some() || a.raw) && overrides.device.is_some() {
+        log::warn!("--device is ignored: the output goes to {}", if a.raw { "standard output" } else { "--out" });
+    }
+    let text = read_text(a.text)?;
+    speak(&cfg, &text, a.out.as_deref(), a.raw)
+}
+
+fn read_text(arg: Option<String>) -> Result<String, Failure> {
+    match arg.as_deref() {
+        Some(t) if t != "-" => Ok(t.to_owned()),
+        _ => {
+            let stdin = std::io::stdin();
+            if stdin.is_terminal() {
+                eprintln!("reading text from standard input; end with Ctrl-D");
+            }
+            // Never read more than the longest accepted text can take (4 bytes per character).
+            let limit = engine::prompt::MAX_TEXT_CHARS * 4 + 4;
+            let mut bytes = Vec::new();
+            stdin
+                .take(limit as u64 + 1)
+                .read_to_end(&mut bytes)
+                .map_err(|e| fail(exit::INPUT, anyhow::Error::new(e).context("reading standard input")))?;
+            if bytes.len() > limit {
+                return Err(fail(
+                    exit::INPUT,
+                    anyhow::anyhow!(
+                        "standard input is longer than the longest text herald accepts ({} characters); split it",
+                        engine::prompt::MAX_TEXT_CHARS
+                    ),
+                ));
+            }
+            String::from_utf8(bytes).map_err(|e| {
+                fail(
+                    exit::INPUT,
+                    anyhow::anyhow!("standard input is not valid UTF-8 (first bad byte at offset {})", e.utf8_error().valid_up_to()),
+                )
+            })
+        }
+    }
+}
+
+/// Where `--out` / `--raw` send the audio; a bad `--out` is bad input.
+fn target(out: Option<&str>, raw: bool) -> Result<Target, Failure> {
+    Ok(match (out, raw) {
+        (_, true) => Target::RawStdout,
+        (Some("-"), _) => Target::WavStdout,
+        (Some(path), _) => {
+            if path.is_empty() {
+                return Err(fail(exit::INPUT, anyhow::anyhow!("--out needs a file name (or - for standard output)")));
+            }
+            if Path::new(path).is_dir() {
+                return Err(fail(exit::INPUT, anyhow::anyhow!("--out {path}: is a directory")));
+            }
+            Target::File(PathBuf::from(path))
+        }
+        (None, false) => Target::Device,
+    })
+}
+
+fn speak(cfg: &Config, text: &str, out: Option<&str>, raw: bool) -> Result<(), Failure> {
+    let t0 = Instant::now();
+    let plays = out.is_none() && !raw;
+    let settings = crate::speaker::settings(cfg, plays);
+    let request = settings.voice.request(text);
+    match request.seed {
+        Some(s) => log::info!("sampling with seed {s} (--seed {s} reproduces this run)"),
+        None => log::info!("greedy decoding"),
+    }
+    let dir = &cfg.model.bundle;
+    let manifest = engine::read_manifest(dir)
+        .map_err(|e| fail(exit::BUNDLE, anyhow::Error::new(e).context(format!("bundle {}", dir.display()))))?;
+    let rate = manifest.audio.sample_rate;
+    // The board: thread placement, memory (a bundle that cannot fit is refused here), ramp.
+    let tuned = tuning::tune(cfg, dir, &manifest)?;
+    tuned.log();
+    backend_tract::set_compute_threads(tuned.threads);
+    // Check the text and the voice before touching the device or loading the graphs.
+    service::check_in(dir, &manifest, &request)?;
+    let sink = target(out, raw)?.open(&settings.output).map_err(|e| fail(exit::sink_code(&e), e))?;
+    // The amplifier line (only when playing): a missing chip or line stops here, before loading.
+    let mut preparing = Speaker::prepare(settings, crate::STOP.clone())?;
+    // Open the output before loading the graphs: a busy or missing device fails fast.
+    let mut sink = preparing.begin_early(sink, rate)?;
+    let mut speaker = match preparing.load(dir, &tuned.settings) {
+        Ok(s) => s,
+        Err(e) => {
+            sink.abort();
+            return Err(e.into());
+        }
+    };
+    log::info!(
+        "ready in {:.2} s (bundle load {:.2} s), resident memory {}",
+        t0.elapsed().as_secs_f64(),
+        speaker.engine().bundle().load_seconds,
+        rss_text()
+    );
+    // Finished (fade-out, drain, WAV header, the file renamed into place) also after an
+    // interrupt: what was spoken stays a valid file.
+    let spoken = match speaker.speak(Job::new(request, Target::Sink { sink, plays })) {
+        Ok(s) => s,
+        Err(JobError::Sink(e)) if e.is_broken_pipe() => {
+            log::info!("the reader of standard output went away; stopping");
+            return Ok(());
+        }
+        Err(e) => return Err(e.into()),
+    };
+    let Some(report) = spoken.report else {
+        return Err(fail(exit::INTERRUPTED, anyhow::anyhow!("interrupted; the audio so far was finished cleanly")));
+    };
+    let audio_s = report.samples as f64 / f64::from(rate);
+    log::info!(
+        "{} frames ({audio_s:.2} s of audio) in {:.2} s: RTF {:.2}, time to first audio {:.0} ms, stop: {:?}, xruns {}",
+        report.frames,
+        report.total,
+        report.rtf(f64::from(rate)),
+        report.ttfa * 1e3,
+        report.stop,
+        spoken.stats.xruns
+    );
+    log::debug!("step statistics:\n{}", report.stats);
+    if report.stop == StopReason::Capacity {
+        return Err(fail(
+            exit::INPUT,
+            anyhow::anyhow!(
+                "the text did not fit: the KV cache ({} positions: synthesis.kv_capacity, or what fits in memory) filled after {} frames; split the text",
+                tuned.settings.kv_capacity,
+                report.frames
+            ),
+        ));
+    }
+    if let Some(path) = out.filter(|p| *p != "-") {
+        eprintln!("wrote {path} ({audio_s:.2} s)");
+    }
+    let _ = std::io::stdout().flush();
+    Ok(())
+}

@@ -1,0 +1,49 @@
+//! herald's service layer: the speaker and the front-ends that feed it.
+//!
+//! - [`Speaker`] ([`speaker`]): one loaded engine, the amplifier line and the voice; it speaks
+//!   [`Job`]s, each with its own [`Target`] (the sink factory: device, WAV file, stdout or a
+//!   caller's sink) and its own [`Cancel`] handle. A [`Request`](engine::Request) is built from
+//!   the configuration in one place, [`Voice::request`].
+//! - [`Queue`] ([`queue`]): the speaker on a worker thread behind a bounded queue, with
+//!   admission ([`Queue::try_submit`] refuses when full) and per-job cancel.
+//! - [`Stop`] ([`cancel`]): the process-wide stop (SIGINT/SIGTERM) cancels the job in progress
+//!   and the queued ones.
+//! - Front-ends call only the above: [`fifo`] today (`herald serve`); a Wyoming or HTTP server
+//!   goes beside it as another module.
+//! - [`notify`]: systemd's sd_notify(3) and the watchdog; [`output`]: the sinks and atomic file
+//!   writes.
+//!
+//! Nothing here knows the application's configuration: the settings are plain structs
+//! ([`SpeakerSettings`]) that the binary fills from its configuration in one function.
+
+pub mod cancel;
+pub mod fifo;
+pub mod notify;
+pub mod output;
+pub mod queue;
+pub mod speaker;
+
+pub use cancel::{Cancel, Stop};
+pub use output::{AtomicFile, OutputSettings, Target, write_atomic};
+pub use queue::{JobHandle, Outcome, Perform, Queue, Refused};
+pub use speaker::{
+    AmpSettings, Job, JobError, Preparing, Seeding, ServiceError, Speaker, SpeakerSettings, Spoken, Voice, check, check_in,
+};
+
+/// An error and its causes on one line, skipping a cause whose text its parent already shows
+/// (typed errors often print their source themselves).
+pub fn one_line(err: &(dyn std::error::Error + 'static)) -> String {
+    let mut line = String::new();
+    let mut cause = Some(err);
+    while let Some(e) = cause {
+        let text = e.to_string();
+        if !line.contains(&text) {
+            if !line.is_empty() {
+                line.push_str(": ");
+            }
+            line.push_str(&text);
+        }
+        cause = e.source();
+    }
+    line
+}

@@ -1,0 +1,346 @@
+//! The job queue: a worker thread that owns the speaker and runs one job at a time from a
+//! bounded queue. Admission: [`Queue::try_submit`] refuses a job when the queue is full
+//! ([`Refused::Full`]), so a network front-end can answer "busy" at once; [`Queue::submit`]
+//! waits for room instead (backpressure). Every job has its own [`Cancel`] handle; the
+//! process-wide [`Stop`] cancels the job in progress and every queued one. A failing job, even
+//! a panicking one, is reported to its submitter and the worker goes on.
+
+use std::panic::AssertUnwindSafe;
+use std::sync::mpsc::{self, Receiver, SyncSender, TrySendError};
+use std::thread::JoinHandle;
+use std::time::Duration;
+
+use crate::cancel::{Cancel, Stop};
+use crate::speaker::{Job, JobError, Spoken};
+
+/// What the worker runs jobs with: the [`crate::Speaker`] (or a stand-in in tests).
+pub trait Perform: Send + 'static {
+    /// Run one job to its end (or its cancel).
+    ///
+    /// # Errors
+    /// The job's error; the performer must stay usable after it.
+    fn perform(&mut self, job: Job) -> Result<Spoken, JobError>;
+}
+
+/// The outcome of a job, as its submitter sees it.
+pub type Outcome = Result<Spoken, JobError>;
+
+struct Queued {
+    job: Job,
+    done: SyncSender<Outcome>,
+}
+
+/// A job the queue did not take; the job comes back.
+#[derive(Debug)]
+pub enum Refused {
+    /// `capacity` jobs are already waiting.
+    Full {
+        /// The job.
+        job: Box<Job>,
+        /// The queue's capacity.
+        capacity: usize,
+    },
+    /// The queue was stopped ([`Stop`]) or its worker is gone.
+    Stopped(Box<Job>),
+}
+
+impl Refused {
+    /// The job that was refused.
+    pub fn into_job(self) -> Job {
+        match self {
+            Refused::Full { job, .. } | Refused::Stopped(job) => *job,
+        }
+    }
+}
+
+impl std::fmt::Display for Refused {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Refused::Full { capacity, .. } => write!(f, "the speaker is busy: {capacity} job(s) already waiting"),
+            Refused::Stopped(_) => f.write_str("the speaker is stopping"),
+        }
+    }
+}
+
+impl std::error::Error for Refused {}
+
+/// A submitted job: cancel it, or wait for its outcome.
+#[derive(Debug)]
+pub struct JobHandle {
+    cancel: Cancel,
+    done: Receiver<Outcome>,
+}
+
+impl JobHandle {
+    /// Cancel this job (only this one): a waiting job is not started, a running one stops
+    /// within a frame.
+    pub fn cancel(&self) {
+        self.cancel.cancel();
+    }
+
+    /// Wait for the outcome.
+    pub fn wait(self) -> Outcome {
+        self.done.recv().unwrap_or_else(|_| Err(JobError::Panicked("the speaker's worker thread ended".into())))
+    }
+
+    /// Wait at most `timeout` for the outcome; `None` while the job is waiting or running.
+    pub fn wait_timeout(&self, timeout: Duration) -> Option<Outcome> {
+        match self.done.recv_timeout(timeout) {
+            Ok(o) => Some(o),
+            Err(mpsc::RecvTimeoutError::Timeout) => None,
+            Err(mpsc::RecvTimeoutError::Disconnected) => {
+                Some(Err(JobError::Panicked("the speaker's worker thread ended".into())))
+            }
+        }
+    }
+}
+
+/// The worker thread and its bounded queue. Dropping the queue lets the worker finish the
+/// waiting jobs (cancelled ones end at once) and joins it.
+pub struct Queue {
+    tx: Option<SyncSender<Queued>>,
+    worker: Option<JoinHandle<()>>,
+    capacity: usize,
+    stop: Stop,
+}
+
+impl std::fmt::Debug for Queue {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Queue").field("capacity", &self.capacity).finish_non_exhaustive()
+    }
+}
+
+impl Queue {
+    /// Start the worker thread with `performer`, taking up to `capacity` waiting jobs besides
+    /// the one in progress (a capacity of 0 counts as 1). After `stop`, jobs are refused and
+    /// waiting ones are cancelled.
+    ///
+    /// # Errors
+    /// The thread could not be started.
+    pub fn start(performer: impl Perform, capacity: usize, stop: Stop) -> std::io::Result<Queue> {
+        let capacity = capacity.max(1);
+        let (tx, rx) = mpsc::sync_channel::<Queued>(capacity);
+        let worker_stop = stop.clone();
+        let worker = std::thread::Builder::new().name("herald-speaker".into()).spawn(move || {
+            let mut performer = performer;
+            for Queued { job, done } in rx {
+                let cancel = job.cancel_handle();
+                // the stop cancels the job in progress, whatever performs it
+                let _running = worker_stop.guard(&cancel);
+                let outcome = if cancel.is_cancelled() {
+                    Err(JobError::Cancelled)
+                } else {
+                    std::panic::catch_unwind(AssertUnwindSafe(|| performer.perform(job))).unwrap_or_else(|p| {
+                        let what = p
+                            .downcast_ref::<&str>()
+                            .map(|s| (*s).to_owned())
+                            .or_else(|| p.downcast_ref::<String>().cloned())
+                            .unwrap_or_else(|| "a panic".into());
+                        log::error!("a job panicked: {what}");
+                        Err(JobError::Panicked(what))
+                    })
+                };
+                // the submitter may have gone away; the outcome is then nobody's business
+                let _ = done.send(outcome);
+            }
+        })?;
+        Ok(Queue { tx: Some(tx), worker: Some(worker), capacity, stop })
+    }
+
+    /// How many jobs may wait besides the one in progress.
+    pub fn capacity(&self) -> usize {
+        self.capacity
+    }
+
+    /// Queue `job` if there is room now.
+    ///
+    /// # Errors
+    /// [`Refused::Full`] when `capacity` jobs are waiting, [`Refused::Stopped`] after the stop.
+    pub fn try_submit(&self, job: Job) -> Result<JobHandle, Refused> {
+        let Some(tx) = self.open() else { return Err(Refused::Stopped(Box::new(job))) };
+        let (queued, handle) = wrap(job);
+        match tx.try_send(queued) {
+            Ok(()) => Ok(handle),
+            Err(TrySendError::Full(q)) => Err(Refused::Full { job: Box::new(q.job), capacity: self.capacity }),
+            Err(TrySendError::Disconnected(q)) => Err(Refused::Stopped(Box::new(q.job))),
+        }
+    }
+
+    /// Queue `job`, waiting for room while the queue is full.
+    ///
+    /// # Errors
+    /// [`Refused::Stopped`] after the stop.
+    pub fn submit(&self, job: Job) -> Result<JobHandle, Refused> {
+        let Some(tx) = self.open() else { return Err(Refused::Stopped(Box::new(job))) };
+        let (queued, handle) = wrap(job);
+        tx.send(queued).map(|()| handle).map_err(|mpsc::SendError(q)| Refused::Stopped(Box::new(q.job)))
+    }
+
+    /// The sender, unless the queue was stopped.
+    fn open(&self) -> Option<&SyncSender<Queued>> {
+        self.tx.as_ref().filter(|_| !self.stop.is_stopped())
+    }
+}
+
+fn wrap(job: Job) -> (Queued, JobHandle) {
+    let (done, rx) = mpsc::sync_channel(1);
+    let handle = JobHandle { cancel: job.cancel_handle(), done: rx };
+    (Queued { job, done }, handle)
+}
+
+impl Drop for Queue {
+    fn drop(&mut self) {
+        self.tx = None;
+        if let Some(w) = self.worker.take()
+            && w.join().is_err()
+        {
+            log::error!("the speaker's worker thread panicked");
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
+    use super::*;
+    use crate::output::Target;
+    use board::audio::{SampleFormat, SinkStats};
+    use engine::Request;
+    use std::sync::Arc;
+    use std::sync::atomic::{AtomicUsize, Ordering};
+
+    /// Stands in for the speaker: "fail" fails, "panic" panics, "hold" runs until cancelled
+    /// (then reports a cut-short utterance), anything else is spoken at once. Counts the jobs
+    /// it started.
+    struct Mock {
+        started: Arc<AtomicUsize>,
+    }
+
+    fn stats(samples: u64) -> SinkStats {
+        SinkStats {
+            input_samples: samples,
+            frames_written: samples,
+            xruns: 0,
+            device_rate: 24_000,
+            channels: 1,
+            format: SampleFormat::S16,
+            period_frames: 0,
+            buffer_frames: 0,
+            resampled: false,
+        }
+    }
+
+    impl Perform for Mock {
+        fn perform(&mut self, job: Job) -> Result<Spoken, JobError> {
+            self.started.fetch_add(1, Ordering::SeqCst);
+            let cancel = job.cancel_handle();
+            match job.request.text.as_str() {
+                "fail" => Err(JobError::Engine(engine::EngineError::Vocoder("mock failure".into()))),
+                "panic" => panic!("mock panic"),
+                "hold" => {
+                    while !cancel.is_cancelled() {
+                        std::thread::sleep(Duration::from_millis(2));
+                    }
+                    Ok(Spoken { report: None, stats: stats(1) })
+                }
+                text => Ok(Spoken { report: None, stats: stats(text.len() as u64) }),
+            }
+        }
+    }
+
+    fn job(text: &str) -> Job {
+        let request = Request {
+            text: text.into(),
+            language: None,
+            speaker: None,
+            mode: Default::default(),
+            seed: None,
+            max_frames: None,
+            force_eos_at: None,
+        };
+        Job::new(request, Target::Device)
+    }
+
+    fn queue(capacity: usize) -> (Queue, Arc<AtomicUsize>, Stop) {
+        let started = Arc::new(AtomicUsize::new(0));
+        let stop = Stop::new();
+        let q = Queue::start(Mock { started: Arc::clone(&started) }, capacity, stop.clone()).unwrap();
+        (q, started, stop)
+    }
+
+    /// Wait until the worker has started `n` jobs.
+    fn started(counter: &AtomicUsize, n: usize) {
+        let end = std::time::Instant::now() + Duration::from_secs(10);
+        while counter.load(Ordering::SeqCst) < n {
+            assert!(std::time::Instant::now() < end, "the worker did not start job {n}");
+            std::thread::sleep(Duration::from_millis(1));
+        }
+    }
+
+    #[test]
+    fn cancelling_a_job_cancels_only_that_job() {
+        let (q, n, _stop) = queue(4);
+        let held = q.try_submit(job("hold")).unwrap();
+        let waiting = q.try_submit(job("hold")).unwrap();
+        let next = q.try_submit(job("next")).unwrap();
+        started(&n, 1);
+        // a waiting job cancelled before it starts is never started
+        waiting.cancel();
+        held.cancel();
+        assert_eq!(held.wait().unwrap().stats.input_samples, 1, "the running job ended as cut short");
+        assert!(matches!(waiting.wait(), Err(JobError::Cancelled)));
+        assert_eq!(next.wait().unwrap().stats.input_samples, 4, "the job after it is spoken");
+        assert_eq!(n.load(Ordering::SeqCst), 2, "the cancelled waiting job never reached the speaker");
+    }
+
+    #[test]
+    fn a_full_queue_refuses_and_hands_the_job_back() {
+        let (q, n, _stop) = queue(2);
+        let running = q.try_submit(job("hold")).unwrap();
+        started(&n, 1);
+        let a = q.try_submit(job("a")).unwrap();
+        let b = q.try_submit(job("bb")).unwrap();
+        let refused = q.try_submit(job("ccc")).unwrap_err();
+        assert!(matches!(refused, Refused::Full { capacity: 2, .. }), "{refused:?}");
+        assert_eq!(refused.to_string(), "the speaker is busy: 2 job(s) already waiting");
+        assert_eq!(refused.into_job().request.text, "ccc");
+        running.cancel();
+        assert!(running.wait().is_ok());
+        assert_eq!(a.wait().unwrap().stats.input_samples, 1);
+        assert_eq!(b.wait().unwrap().stats.input_samples, 2);
+        // room again
+        assert_eq!(q.try_submit(job("dddd")).unwrap().wait().unwrap().stats.input_samples, 4);
+    }
+
+    #[test]
+    fn the_worker_survives_failing_and_panicking_jobs() {
+        let (q, _n, _stop) = queue(4);
+        let fail = q.try_submit(job("fail")).unwrap();
+        let panic = q.try_submit(job("panic")).unwrap();
+        let ok = q.try_submit(job("fine")).unwrap();
+        assert!(matches!(fail.wait(), Err(JobError::Engine(_))));
+        match panic.wait() {
+            Err(JobError::Panicked(what)) => assert_eq!(what, "mock panic"),
+            other => panic!("{other:?}"),
+        }
+        assert_eq!(ok.wait().unwrap().stats.input_samples, 4);
+    }
+
+    #[test]
+    fn the_stop_cancels_the_queue_and_refuses_new_jobs() {
+        let (q, n, stop) = queue(4);
+        let waiting = q.submit(job("later")).unwrap();
+        let _ = waiting.wait().unwrap();
+        let a = q.submit(job("a")).unwrap();
+        let _ = a.wait();
+        let held = q.submit(job("hold")).unwrap();
+        let queued = q.submit(job("queued")).unwrap();
+        started(&n, 3);
+        stop.stop();
+        assert!(held.wait().is_ok(), "the running job was cancelled by the stop");
+        assert!(matches!(queued.wait(), Err(JobError::Cancelled)));
+        assert!(matches!(q.try_submit(job("x")), Err(Refused::Stopped(_))));
+        assert!(matches!(q.submit(job("x")), Err(Refused::Stopped(_))));
+        drop(q);
+    }
+}

@@ -1,0 +1,470 @@
+//! The [`Speaker`]: one loaded engine, the amplifier line and the voice; it speaks [`Job`]s, one
+//! at a time, each into its own sink with its own [`Cancel`] handle.
+//!
+//! Start-up is two steps so that what can fail fast does, before the model loads:
+//! [`Speaker::prepare`] opens the amplifier line (a missing chip or line stops herald at once),
+//! [`Preparing::begin_early`] may open an output ahead (`herald speak` opens the device before
+//! loading, so a busy device fails in milliseconds), and [`Preparing::load`] loads the engine.
+
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::Duration;
+
+use board::gpio::{AmpSink, LineAmplifier};
+use board::audio::{AudioSink, SinkError, SinkStats};
+use engine::prompt::{PromptError, PromptMode, Prompter};
+use engine::{Engine, EngineError, EngineSettings, Manifest, Report, Request};
+
+use crate::cancel::{Cancel, Stop};
+use crate::output::{OutputSettings, Target};
+
+/// Where each utterance's sampler seed comes from: `None` means greedy decoding. Clones share
+/// the source.
+#[derive(Clone)]
+pub struct Seeding(Arc<dyn Fn() -> Option<u64> + Send + Sync>);
+
+impl Seeding {
+    /// Greedy decoding (no sampling).
+    pub fn greedy() -> Self {
+        Seeding(Arc::new(|| None))
+    }
+
+    /// Sampling with `seed` for every utterance (reproducible).
+    pub fn fixed(seed: u64) -> Self {
+        Seeding(Arc::new(move || Some(seed)))
+    }
+
+    /// The seed of each utterance from `f` (e.g. a fresh one each time; `None`: greedy).
+    pub fn from_fn(f: impl Fn() -> Option<u64> + Send + Sync + 'static) -> Self {
+        Seeding(Arc::new(f))
+    }
+
+    /// The next utterance's seed.
+    pub fn next(&self) -> Option<u64> {
+        (self.0)()
+    }
+}
+
+impl std::fmt::Debug for Seeding {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("Seeding(..)")
+    }
+}
+
+/// The voice every job is spoken with, unless the job's [`Request`] says otherwise.
+#[derive(Debug, Clone)]
+pub struct Voice {
+    /// Language name from the bundle, or `auto`.
+    pub language: String,
+    /// Speaker name from the bundle; `None`: the bundle's default.
+    pub speaker: Option<String>,
+    /// Prompt mode.
+    pub mode: PromptMode,
+    /// Seeding of the sampler.
+    pub seeding: Seeding,
+}
+
+impl Voice {
+    /// The request for `text` in this voice (its seed from [`Seeding::next`]): the one place a [`Request`] is built from the configuration.
+    pub fn request(&self, text: &str) -> Request {
+        let seed = self.seeding.next();
+        Request {
+            text: text.to_owned(),
+            language: Some(self.language.clone()),
+            speaker: self.speaker.clone(),
+            mode: self.mode,
+            seed,
+            max_frames: None,
+            force_eos_at: None,
+        }
+    }
+}
+
+/// Check `request`'s text and voice against the bundle's prompt layout, before any device or
+/// model work.
+///
+/// # Errors
+/// The [`PromptError`] of the text (empty, too long) or the voice (unknown language or speaker).
+pub fn check(prompter: &Prompter, request: &Request) -> Result<(), PromptError> {
+    prompter.layout(&request.text, request.language.as_deref(), request.speaker.as_deref(), request.mode).map(|_| ())
+}
+
+/// Check `request` against the bundle in `dir` without loading its graphs (only the tokenizer).
+///
+/// # Errors
+/// [`ServiceError::Tokenizer`] when the tokenizer cannot be loaded, [`ServiceError::Prompt`]
+/// for the request.
+pub fn check_in(dir: &Path, manifest: &Manifest, request: &Request) -> Result<(), ServiceError> {
+    let prompter =
+        engine::read_prompter(dir, manifest).map_err(|source| ServiceError::Tokenizer { dir: dir.to_owned(), source })?;
+    check(&prompter, request).map_err(ServiceError::Prompt)
+}
+
+/// The amplifier-enable line (`[amplifier]`).
+#[derive(Debug, Clone, PartialEq)]
+pub struct AmpSettings {
+    /// Label of the GPIO chip.
+    pub chip: String,
+    /// Line offset within the chip.
+    pub line: u32,
+    /// The low level enables the amplifier.
+    pub active_low: bool,
+    /// Time between enabling the line and the first sample.
+    pub lead: Duration,
+}
+
+/// What a [`Speaker`] needs besides the engine: plain settings, mapped from the application's
+/// configuration in one place by the caller.
+#[derive(Debug, Clone)]
+pub struct SpeakerSettings {
+    /// The voice of [`Speaker::request`].
+    pub voice: Voice,
+    /// The amplifier line; `None` when there is none, or nothing is played (files only).
+    pub amplifier: Option<AmpSettings>,
+    /// The settings of every sink the speaker makes ([`Target::open`]).
+    pub output: OutputSettings,
+}
+
+/// Errors of starting a [`Speaker`].
+#[derive(Debug, thiserror::Error)]
+pub enum ServiceError {
+    /// The amplifier line could not be opened.
+    #[error(transparent)]
+    Amplifier(#[from] board::gpio::AmpError),
+    /// An output opened ahead ([`Preparing::begin_early`]) failed.
+    #[error(transparent)]
+    Sink(#[from] SinkError),
+    /// The bundle could not be loaded (or its settings are unusable).
+    #[error("bundle {}", dir.display())]
+    Bundle {
+        /// The bundle directory.
+        dir: PathBuf,
+        /// Why.
+        #[source]
+        source: EngineError,
+    },
+    /// The bundle's tokenizer cannot be loaded ([`check_in`]).
+    #[error("bundle {}", dir.display())]
+    Tokenizer {
+        /// The bundle directory.
+        dir: PathBuf,
+        /// Why.
+        #[source]
+        source: PromptError,
+    },
+    /// The text or the voice cannot be spoken with this bundle.
+    #[error(transparent)]
+    Prompt(#[from] PromptError),
+}
+
+/// Errors of one job; the speaker stays usable after every one of them.
+#[derive(Debug, thiserror::Error)]
+pub enum JobError {
+    /// The engine failed, or refused the text or voice ([`EngineError::Prompt`]).
+    #[error(transparent)]
+    Engine(#[from] EngineError),
+    /// The sink failed (the utterance was stopped and the sink aborted).
+    #[error(transparent)]
+    Sink(#[from] SinkError),
+    /// The job was cancelled before it started.
+    #[error("cancelled before it started")]
+    Cancelled,
+    /// The job panicked (a bug); the worker caught it and goes on.
+    #[error("internal error (please report it): {0}")]
+    Panicked(String),
+}
+
+/// A job that was spoken (to the end, or cancelled mid-way).
+#[derive(Debug, Clone)]
+pub struct Spoken {
+    /// The engine's report; `None` when the job was cancelled mid-way (the audio so far was
+    /// finished cleanly: fade-out, drain, WAV header).
+    pub report: Option<Report>,
+    /// What the sink did.
+    pub stats: SinkStats,
+}
+
+/// Called once the job's sink is open, just before synthesis starts.
+type OnBegin = Box<dyn FnOnce(&Request) + Send>;
+/// Called for every chunk of audio.
+type OnChunk = Box<dyn FnMut() + Send>;
+
+/// One utterance to speak: the request, where it goes, its cancel handle and its callbacks.
+pub struct Job {
+    /// What to say and how.
+    pub request: Request,
+    target: Target,
+    cancel: Cancel,
+    on_begin: Option<OnBegin>,
+    on_chunk: Option<OnChunk>,
+}
+
+impl std::fmt::Debug for Job {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Job").field("request", &self.request).field("target", &self.target).finish_non_exhaustive()
+    }
+}
+
+impl Job {
+    /// A job speaking `request` into `target`.
+    pub fn new(request: Request, target: Target) -> Self {
+        Job { request, target, cancel: Cancel::new(), on_begin: None, on_chunk: None }
+    }
+
+    /// Call `f` once the sink is open, just before synthesis starts.
+    pub fn on_begin(mut self, f: impl FnOnce(&Request) + Send + 'static) -> Self {
+        self.on_begin = Some(Box::new(f));
+        self
+    }
+
+    /// Call `f` for every chunk of audio (proof of progress, e.g. for a watchdog).
+    pub fn on_chunk(mut self, f: impl FnMut() + Send + 'static) -> Self {
+        self.on_chunk = Some(Box::new(f));
+        self
+    }
+
+    /// This job's cancel handle.
+    pub fn cancel_handle(&self) -> Cancel {
+        self.cancel.clone()
+    }
+}
+
+/// A speaker on its way up: the amplifier line is open, the engine not loaded yet.
+pub struct Preparing {
+    settings: SpeakerSettings,
+    amp: Option<LineAmplifier>,
+    stop: Stop,
+}
+
+/// The loaded speaker. [`speak`](Self::speak) runs a job on the caller's thread;
+/// [`start`](Self::start) moves the speaker onto a worker thread behind a bounded queue.
+pub struct Speaker {
+    engine: Engine,
+    amp: Option<LineAmplifier>,
+    settings: SpeakerSettings,
+    stop: Stop,
+}
+
+impl Speaker {
+    /// Open the amplifier line, if one is configured: at start-up, before the model loads, so
+    /// that a missing chip or line stops the program at once. `stop` is the process-wide stop
+    /// (SIGINT/SIGTERM) that cancels this speaker's jobs.
+    ///
+    /// # Errors
+    /// [`ServiceError::Amplifier`].
+    pub fn prepare(settings: SpeakerSettings, stop: Stop) -> Result<Preparing, ServiceError> {
+        let amp = match &settings.amplifier {
+            Some(a) => {
+                let amp = board::gpio::open_line(&a.chip, a.line, a.active_low, a.lead)?;
+                log::info!(
+                    "amplifier: line {} of GPIO chip '{}', enabled {} ms before the first sample",
+                    a.line,
+                    a.chip,
+                    a.lead.as_millis()
+                );
+                Some(amp)
+            }
+            None => None,
+        };
+        Ok(Preparing { settings, amp, stop })
+    }
+
+    /// The loaded engine.
+    pub fn engine(&self) -> &Engine {
+        &self.engine
+    }
+
+    /// The model's sample rate, Hz.
+    pub fn sample_rate(&self) -> u32 {
+        self.engine.bundle().manifest.audio.sample_rate
+    }
+
+    /// The settings the speaker was prepared with.
+    pub fn settings(&self) -> &SpeakerSettings {
+        &self.settings
+    }
+
+    /// The request for `text` in the speaker's voice ([`Voice::request`]).
+    pub fn request(&self, text: &str) -> Request {
+        self.settings.voice.request(text)
+    }
+
+    /// Check that the bundle knows the voice's language and speaker (a voice it lacks would
+    /// fail every job).
+    ///
+    /// # Errors
+    /// [`PromptError::UnknownLanguage`] or [`PromptError::UnknownSpeaker`].
+    pub fn check_voice(&self) -> Result<(), PromptError> {
+        match check(&self.engine.bundle().prompter, &self.request("Hello.")) {
+            Err(e @ (PromptError::UnknownLanguage { .. } | PromptError::UnknownSpeaker { .. })) => Err(e),
+            _ => Ok(()),
+        }
+    }
+
+    /// Speak `job` on this thread: check the text (before touching any device), open the
+    /// job's sink (with the amplifier line around it when it plays), synthesize into it, and
+    /// finish it, also after a cancel (fade-out, drain, WAV header). On an error the sink is
+    /// aborted.
+    ///
+    /// # Errors
+    /// [`JobError`]; the speaker stays usable.
+    pub fn speak(&mut self, job: Job) -> Result<Spoken, JobError> {
+        let Job { request, target, cancel, on_begin, mut on_chunk } = job;
+        if cancel.is_cancelled() {
+            return Err(JobError::Cancelled);
+        }
+        // from here a stop cancels the job: it is still spoken as far as it got (nothing) and
+        // its output finished, like a job stopped mid-way
+        let _running = self.stop.guard(&cancel);
+        check(&self.engine.bundle().prompter, &request).map_err(EngineError::Prompt)?;
+        let plays = target.plays();
+        let sink = target.open(&self.settings.output)?;
+        let rate = self.sample_rate();
+        let engine = &self.engine;
+        let play = |sink: &mut dyn AudioSink| -> Result<Spoken, JobError> {
+            sink.begin(rate)?;
+            if let Some(f) = on_begin {
+                f(&request);
+            }
+            synthesize_into(engine, &request, &cancel, sink, &mut || {
+                if let Some(f) = on_chunk.as_mut() {
+                    f();
+                }
+            })
+        };
+        match self.amp.take() {
+            Some(amp) if plays => {
+                // the line goes on `lead` before the first sample and off after the drain (or
+                // the abort), on every path: board::gpio::AmpSink
+                let mut switched = AmpSink::new(sink, amp);
+                let result = play(&mut switched);
+                let (_, amp) = switched.into_parts();
+                self.amp = Some(amp);
+                result
+            }
+            amp => {
+                self.amp = amp;
+                let mut sink = sink;
+                play(sink.as_mut())
+            }
+        }
+    }
+
+    /// Move the speaker onto a worker thread behind a queue of `capacity` waiting jobs
+    /// ([`crate::Queue`]).
+    ///
+    /// # Errors
+    /// The thread could not be started.
+    pub fn start(self, capacity: usize) -> std::io::Result<crate::Queue> {
+        let stop = self.stop.clone();
+        crate::Queue::start(self, capacity, stop)
+    }
+}
+
+impl crate::queue::Perform for Speaker {
+    fn perform(&mut self, job: Job) -> Result<Spoken, JobError> {
+        self.speak(job)
+    }
+}
+
+impl Preparing {
+    /// Begin `sink` now, ahead of its job, with the amplifier line on (it stays on until the
+    /// job finishes or this `Preparing` is dropped). Pass the result as [`Target::Sink`] with
+    /// `plays` set; the job's `begin` is then a no-op.
+    ///
+    /// # Errors
+    /// [`ServiceError::Amplifier`] or [`ServiceError::Sink`]; the line is off again.
+    pub fn begin_early(&mut self, sink: Box<dyn AudioSink + Send>, rate: u32) -> Result<Box<dyn AudioSink + Send>, ServiceError> {
+        let sink = match self.amp.take() {
+            Some(amp) => {
+                let mut switched = AmpSink::new(sink, amp);
+                let begun = switched.begin(rate);
+                // the amplifier keeps its state: on after a begin, off after a failed one
+                let (sink, amp) = switched.into_parts();
+                self.amp = Some(amp);
+                begun?;
+                sink
+            }
+            None => {
+                let mut sink = sink;
+                sink.begin(rate)?;
+                sink
+            }
+        };
+        Ok(Box::new(Begun { inner: sink, rate, pending: true }))
+    }
+
+    /// Load the engine from the bundle in `dir` with `settings`.
+    ///
+    /// # Errors
+    /// [`ServiceError::Bundle`], naming the directory.
+    pub fn load(self, dir: &Path, settings: &EngineSettings) -> Result<Speaker, ServiceError> {
+        let engine = Engine::load(dir, &backend_tract::Tract, settings).map_err(|source| ServiceError::Bundle { dir: dir.to_owned(), source })?;
+        Ok(Speaker { engine, amp: self.amp, settings: self.settings, stop: self.stop })
+    }
+}
+
+/// A sink begun ahead of its job ([`Preparing::begin_early`]): the first `begin` at the same
+/// rate is a no-op.
+struct Begun {
+    inner: Box<dyn AudioSink + Send>,
+    rate: u32,
+    pending: bool,
+}
+
+impl AudioSink for Begun {
+    fn begin(&mut self, sample_rate: u32) -> Result<(), SinkError> {
+        if std::mem::take(&mut self.pending) && sample_rate == self.rate {
+            return Ok(());
+        }
+        self.inner.begin(sample_rate)
+    }
+
+    fn write(&mut self, samples: &[f32]) -> Result<(), SinkError> {
+        self.inner.write(samples)
+    }
+
+    fn finish(&mut self) -> Result<SinkStats, SinkError> {
+        self.inner.finish()
+    }
+
+    fn abort(&mut self) {
+        self.inner.abort();
+    }
+}
+
+/// Synthesize `request` into `sink` (already begun), calling `beat` for every chunk, and finish
+/// the sink, also after a cancel. On an error the sink is aborted.
+fn synthesize_into(
+    engine: &Engine,
+    request: &Request,
+    cancel: &Cancel,
+    sink: &mut dyn AudioSink,
+    beat: &mut dyn FnMut(),
+) -> Result<Spoken, JobError> {
+    let mut sink_err: Option<SinkError> = None;
+    let result = engine.synthesize(request, cancel.flag(), |chunk| {
+        beat();
+        if let Err(e) = sink.write(chunk.samples) {
+            let msg = e.to_string();
+            sink_err = Some(e);
+            return Err(msg);
+        }
+        Ok(())
+    });
+    if let Some(e) = sink_err {
+        sink.abort();
+        return Err(JobError::Sink(e));
+    }
+    let report = match result {
+        Ok(r) => Some(r),
+        Err(EngineError::Cancelled) if cancel.is_cancelled() => None,
+        Err(e) => {
+            sink.abort();
+            return Err(JobError::Engine(e));
+        }
+    };
+    let stats = sink.finish()?;
+    beat();
+    Ok(Spoken { report, stats })
+}
