@@ -143,7 +143,8 @@ fn documented_exit_codes_with_one_line_reasons() {
     check(herald(&["speak", "  ", "--bundle", bs, "--out", keep.to_str().unwrap()], &[], None), 2, "nothing to say");
     check(herald(&["speak", "hi", "--bundle", broken.to_str().unwrap(), "--out", keep.to_str().unwrap()], &[], None), 4, "talker.onnx");
     assert_eq!(std::fs::read(&keep).unwrap(), b"precious");
-    assert!(!std::fs::read_dir(&d).unwrap().any(|e| e.unwrap().file_name().to_string_lossy().contains(".partial-")));
+    // and leaves no temporary file (board::fsutil names them `.keep.wav.XXXXXX.tmp`)
+    assert!(!std::fs::read_dir(&d).unwrap().any(|e| e.unwrap().file_name().to_string_lossy().starts_with(".keep.wav.")));
     // standard input is read only up to what a text may hold
     let huge = vec![b'a'; 200_000];
     check(herald(&["speak", "-", "--bundle", bs, "--out", "/dev/null"], &[], Some(&huge)), 2, "longer than the longest text");

@@ -195,7 +195,7 @@ fn abstract_notify_socket_and_sigterm_mid_line() {
     expect(&rx, "STATUS=speaking line 1", Duration::from_secs(30), &mut log);
     // stop it once audio is flowing into the line's (temporary) WAV file
     let end = Instant::now() + Duration::from_secs(120);
-    let partial = |e: &std::fs::DirEntry| e.file_name().to_string_lossy().starts_with(".000001.wav.partial");
+    let partial = |e: &std::fs::DirEntry| e.file_name().to_string_lossy().starts_with(".000001.wav.");
     while !std::fs::read_dir(&d).unwrap().flatten().any(|e| partial(&e) && e.metadata().is_ok_and(|m| m.len() > 44)) {
         assert!(Instant::now() < end, "no audio for line 1 within 120 s");
         std::thread::sleep(Duration::from_millis(20));
