@@ -40,6 +40,7 @@ use model::backend::{StackRole, StepSpec};
 use model::footprint::{kv_read_bytes, predictor_step_params, talker_step_params};
 use model::frame::{CODEBOOKS, Frame};
 use model::manifest::{Manifest, StackInfo};
+use model::stats::median;
 
 /// Summary of repeated timings, in milliseconds.
 #[derive(Debug, Clone, Serialize)]
@@ -58,14 +59,13 @@ impl Timing {
     /// Summarize durations in seconds. Empty input gives zeros.
     pub fn from_seconds(samples: &[f64]) -> Self {
         let mut v: Vec<f64> = samples.iter().map(|s| s * 1e3).collect();
-        v.sort_by(f64::total_cmp);
         let n = v.len();
         if n == 0 {
             return Timing { count: 0, median_ms: 0.0, min_ms: 0.0, p90_ms: 0.0 };
         }
-        let median = if n % 2 == 1 { v[n / 2] } else { 0.5 * (v[n / 2 - 1] + v[n / 2]) };
+        let med = median(&mut v); // sorts v
         let rank = ((0.9 * n as f64).ceil() as usize).clamp(1, n);
-        Timing { count: n, median_ms: median, min_ms: v[0], p90_ms: v[rank - 1] }
+        Timing { count: n, median_ms: med, min_ms: v[0], p90_ms: v[rank - 1] }
     }
 }
 
@@ -106,8 +106,7 @@ pub fn measure_bandwidth(bytes: usize, threads: usize, runs: usize) -> Bandwidth
         }
     }
     std::hint::black_box(&dst);
-    rates.sort_by(f64::total_cmp);
-    let med = if rates.is_empty() { 0.0 } else { rates[rates.len() / 2] };
+    let med = median(&mut rates); // sorts rates
     Bandwidth { buffer_bytes: n * 8, threads, gb_per_s: med, best_gb_per_s: rates.last().copied().unwrap_or(0.0), runs }
 }
 

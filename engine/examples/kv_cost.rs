@@ -35,9 +35,9 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         copied += s.bytes_copied;
         regrown += s.bytes_regrown;
         if (p + 1).is_power_of_two() && p >= 15 {
-            band.sort_by(f64::total_cmp);
             let n = band.len();
-            println!("{:>4}..{:<5} {:>14.3} {:>8} {:>16} {:>16}", p + 1 - n, p + 1, band[n / 2], s.slots, copied / n, regrown / n);
+            let med = model::stats::median(&mut band);
+            println!("{:>4}..{:<5} {:>14.3} {:>8} {:>16} {:>16}", p + 1 - n, p + 1, med, s.slots, copied / n, regrown / n);
             band.clear();
             copied = 0;
             regrown = 0;

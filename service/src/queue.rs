@@ -11,7 +11,7 @@ use std::thread::JoinHandle;
 use std::time::Duration;
 
 use crate::cancel::{Cancel, Stop};
-use crate::speaker::{Job, JobError, Spoken};
+use crate::speaker::{Job, JobError, Speaker, Spoken};
 
 /// What the worker runs jobs with: the [`crate::Speaker`] (or a stand-in in tests).
 pub trait Perform: Send + 'static {
@@ -196,6 +196,25 @@ impl Drop for Queue {
         {
             log::error!("the speaker's worker thread panicked");
         }
+    }
+}
+
+impl Speaker {
+    /// Move the speaker onto a worker thread behind a queue of `capacity` waiting jobs
+    /// ([`Queue`]). (Here rather than in `speaker.rs`, so that the queue depends on the speaker
+    /// and not the other way round.)
+    ///
+    /// # Errors
+    /// The thread could not be started.
+    pub fn start(self, capacity: usize) -> std::io::Result<Queue> {
+        let stop = self.stop_handle().clone();
+        Queue::start(self, capacity, stop)
+    }
+}
+
+impl Perform for Speaker {
+    fn perform(&mut self, job: Job) -> Result<Spoken, JobError> {
+        self.speak(job)
     }
 }
 

@@ -350,20 +350,9 @@ impl Speaker {
         }
     }
 
-    /// Move the speaker onto a worker thread behind a queue of `capacity` waiting jobs
-    /// ([`crate::Queue`]).
-    ///
-    /// # Errors
-    /// The thread could not be started.
-    pub fn start(self, capacity: usize) -> std::io::Result<crate::Queue> {
-        let stop = self.stop.clone();
-        crate::Queue::start(self, capacity, stop)
-    }
-}
-
-impl crate::queue::Perform for Speaker {
-    fn perform(&mut self, job: Job) -> Result<Spoken, JobError> {
-        self.speak(job)
+    /// The process-wide stop this speaker obeys.
+    pub fn stop_handle(&self) -> &Stop {
+        &self.stop
     }
 }
 
