@@ -4,6 +4,8 @@
 //! replay must ask for exactly the recorded inputs, in order, and produce bit-identical PCM: so
 //! the decode loop, the vocoder driver and the pipeline depend on nothing but the traits.
 
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
+
 mod common;
 
 use std::collections::{HashMap, VecDeque};

@@ -495,7 +495,7 @@ fn unwritable_output_is_a_write_error_naming_it() {
     let leftovers: HashSet<_> = fs::read_dir(bad_dir())
         .expect("ls")
         .map(|e| e.expect("entry").file_name().to_string_lossy().into_owned())
-        .filter(|n| n.contains(".tmp-"))
+        .filter(|n| n.starts_with(".tmp"))
         .collect();
     assert!(leftovers.is_empty(), "temporary files left: {leftovers:?}");
 }

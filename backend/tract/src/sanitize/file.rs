@@ -3,8 +3,8 @@
 use std::collections::BTreeSet;
 use std::fs;
 use std::io::{self, Read, Write};
-use std::path::{Component, Path, PathBuf};
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::path::{Component, Path};
+use std::os::unix::fs::PermissionsExt;
 
 use prost::Message;
 use tract_onnx::pb;
@@ -240,58 +240,29 @@ pub(super) fn read_full(r: &mut impl Read, buf: &mut [u8]) -> io::Result<usize> 
     Ok(n)
 }
 
-/// A temporary path next to `path`, unique within this process and between processes.
-pub(super) fn temp_path(path: &Path) -> io::Result<PathBuf> {
-    static COUNTER: AtomicU64 = AtomicU64::new(0);
-    let name = path
-        .file_name()
-        .ok_or_else(|| io::Error::new(io::ErrorKind::InvalidInput, "the path has no file name"))?;
-    let k = COUNTER.fetch_add(1, Ordering::Relaxed);
-    let tmp = format!(".{}.tmp-{}-{k}", name.to_string_lossy(), std::process::id());
-    Ok(parent_dir(path).join(tmp))
+/// Replace `path` with what `fill` writes, through `tempfile`'s [`tempfile::NamedTempFile`] in
+/// the same directory: fsync, rename over `path`, fsync of the directory (the temporary file is
+/// removed when anything fails). The same steps as `board::fsutil::AtomicFile`, which this crate
+/// cannot depend on (the tract backend knows nothing of the device side).
+fn replace_atomic(path: &Path, fill: impl FnOnce(&mut fs::File) -> io::Result<()>) -> io::Result<()> {
+    // the mode a plain File::create gives (0o666 less the umask), not tempfile's 0o600
+    let mut tmp = tempfile::Builder::new().permissions(fs::Permissions::from_mode(0o666)).tempfile_in(parent_dir(path))?;
+    fill(tmp.as_file_mut())?;
+    tmp.as_file().sync_all()?;
+    tmp.persist(path).map_err(|e| e.error)?;
+    sync_dir(parent_dir(path));
+    Ok(())
 }
 
-/// Writes `bytes` to `path` through a temporary file in the same directory, fsync and rename.
+/// Writes `bytes` to `path` atomically ([`replace_atomic`]).
 pub(super) fn write_atomic(path: &Path, bytes: &[u8]) -> io::Result<()> {
-    let tmp = temp_path(path)?;
-    let result = (|| {
-        let mut f = fs::OpenOptions::new()
-            .write(true)
-            .create_new(true)
-            .open(&tmp)?;
-        f.write_all(bytes)?;
-        f.sync_all()?;
-        drop(f);
-        fs::rename(&tmp, path)?;
-        sync_dir(parent_dir(path));
-        Ok(())
-    })();
-    if result.is_err() {
-        let _ = fs::remove_file(&tmp);
-    }
-    result
+    replace_atomic(path, |f| f.write_all(bytes))
 }
 
-/// Copies `from` to `to` through a temporary file in `to`'s directory, fsync and rename.
+/// Copies `from` to `to` atomically ([`replace_atomic`]).
 pub(super) fn copy_atomic(from: &Path, to: &Path) -> io::Result<()> {
-    let tmp = temp_path(to)?;
-    let result = (|| {
-        let mut src = fs::File::open(from)?;
-        let mut dst = fs::OpenOptions::new()
-            .write(true)
-            .create_new(true)
-            .open(&tmp)?;
-        io::copy(&mut src, &mut dst)?;
-        dst.sync_all()?;
-        drop(dst);
-        fs::rename(&tmp, to)?;
-        sync_dir(parent_dir(to));
-        Ok(())
-    })();
-    if result.is_err() {
-        let _ = fs::remove_file(&tmp);
-    }
-    result
+    let mut src = fs::File::open(from)?;
+    replace_atomic(to, |dst| io::copy(&mut src, dst).map(drop))
 }
 
 /// Best-effort fsync of a directory, so a rename into it is durable.
