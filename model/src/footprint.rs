@@ -110,3 +110,57 @@ impl ModelFootprint {
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The 0.6B talker (config.json of Qwen3-TTS-12Hz-0.6B: 28 layers, 16 heads, 8 KV heads,
+    /// head_dim 128, hidden 1024, intermediate 3072).
+    fn talker(cache: Vec<CacheKind>) -> StackInfo {
+        StackInfo {
+            graph: "talker".into(),
+            hidden: 1024,
+            layers: cache.len() as u32,
+            heads: 16,
+            kv_heads: 8,
+            head_dim: 128,
+            intermediate: 3072,
+            rms_norm_eps: 1e-6,
+            rope_theta: 1e6,
+            max_positions: 32768,
+            cache,
+            projection: None,
+            lm_heads: None,
+        }
+    }
+
+    #[test]
+    fn kv_bytes_of_the_real_talker_by_hand() {
+        let t = talker(vec![CacheKind::Full; 28]);
+        // 28 layers × (K + V) × 8 heads × 128 × 4 bytes
+        assert_eq!(kv_bytes_per_position(&t, Dtype::Fp32), 28 * 2 * 8 * 128 * 4);
+        assert_eq!(kv_bytes_per_position(&t, Dtype::Fp16), 114_688);
+        assert_eq!(kv_read_bytes(&t, Dtype::Fp32, 64), 64 * 229_376);
+    }
+
+    #[test]
+    fn a_ring_does_not_grow_but_is_read() {
+        let mut cache = vec![CacheKind::Full; 2];
+        cache.push(CacheKind::Sliding { window: 9 });
+        let t = talker(cache);
+        let row = 2 * 8 * 128 * 4;
+        assert_eq!(kv_bytes_per_position(&t, Dtype::Fp32), 2 * row);
+        assert_eq!(ring_rows(&t), 8);
+        assert_eq!(kv_read_bytes(&t, Dtype::Fp32, 64), (2 * 64 + 8) * row);
+    }
+
+    #[test]
+    fn talker_stack_parameters_by_hand() {
+        let t = talker(vec![CacheKind::Full; 28]);
+        // per layer: q 1024×2048, k and v 1024×1024 each, o 2048×1024, MLP 3 × 1024×3072,
+        // two RMSNorms (2 × 1024), q/k norms (2 × 128); plus the final norm
+        let layer = 1024 * 2048 + 2 * 1024 * 1024 + 2048 * 1024 + 3 * 1024 * 3072 + 2 * 1024 + 2 * 128;
+        assert_eq!(stack_params(&t), 28 * layer + 1024);
+    }
+}
