@@ -13,13 +13,10 @@ DESCRIPTION = "herald turns text into speech on the device with the Qwen3-TTS 12
 HOMEPAGE = "https://example.invalid/herald"
 BUGTRACKER = "https://example.invalid/herald/issues"
 SECTION = "multimedia"
-# herald's Cargo.toml declares Apache-2.0, but the repository has no license file of its own
-# yet, so the checksum points at oe-core's copy of the license text. Once the repository
-# carries a LICENSE file, use LIC_FILES_CHKSUM = "file://LICENSE;md5=..." and drop the
-# suppression.
+# The repository's LICENSE is the Apache License 2.0 text as published by the ASF
+# (https://www.apache.org/licenses/LICENSE-2.0.txt), which Cargo.toml declares.
 LICENSE = "Apache-2.0"
-# nooelint: oelint.var.licenseremotefile
-LIC_FILES_CHKSUM = "file://${COMMON_LICENSE_DIR}/Apache-2.0;md5=89aea4e17d99a7cacdbeed46a0096b10"
+LIC_FILES_CHKSUM = "file://LICENSE;md5=3b83ef96387f14655fc854ddc3c6bd57"
 
 DEPENDS += "alsa-lib"
 
