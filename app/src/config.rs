@@ -647,9 +647,7 @@ impl Shape {
             (Shape::Int, V::Integer(n)) => Some(Raw::Int((*n).into())),
             (Shape::Float, V::Float(x)) => Some(Raw::Float(*x)),
             (Shape::Float, V::Integer(n)) => Some(Raw::Float(*n as f64)),
-            (Shape::Ints, V::Array(a)) => {
-                a.iter().map(|x| x.as_integer().map(i128::from)).collect::<Option<Vec<_>>>().map(Raw::Ints)
-            }
+            (Shape::Ints, V::Array(a)) => a.iter().map(|x| x.as_integer().map(i128::from)).collect::<Option<Vec<_>>>().map(Raw::Ints),
             _ => None,
         }
     }
@@ -660,18 +658,19 @@ impl Shape {
         match self {
             Shape::Str => Ok(Raw::Str(raw.to_string())),
             Shape::Int => int(raw).map(Raw::Int).map_err(|_| (quoted(raw), format!("is not {}", self.expected()))),
-            Shape::Float => {
-                raw.trim().parse::<f64>().map(Raw::Float).map_err(|_| (quoted(raw), "is not a number".to_string()))
-            }
+            Shape::Float => raw.trim().parse::<f64>().map(Raw::Float).map_err(|_| (quoted(raw), "is not a number".to_string())),
             Shape::Ints => {
                 let inner = raw.trim();
                 let inner = inner.strip_prefix('[').and_then(|i| i.strip_suffix(']')).unwrap_or(inner).trim();
                 if inner.is_empty() {
                     return Ok(Raw::Ints(Vec::new()));
                 }
-                inner.split(',').map(int).collect::<Result<Vec<_>, _>>().map(Raw::Ints).map_err(|_| {
-                    (quoted(raw), "is not a comma-separated list of integers (e.g. 2,4,8,16,25)".to_string())
-                })
+                inner
+                    .split(',')
+                    .map(int)
+                    .collect::<Result<Vec<_>, _>>()
+                    .map(Raw::Ints)
+                    .map_err(|_| (quoted(raw), "is not a comma-separated list of integers (e.g. 2,4,8,16,25)".to_string()))
             }
         }
     }
@@ -890,9 +889,7 @@ impl Rule<f64> for Within<f64> {
     fn check(&self, raw: Raw, _: Option<&Path>) -> Result<f64, Bad> {
         match raw {
             Raw::Float(v) if v.is_finite() && self.0.contains(&v) => Ok(v),
-            Raw::Float(v) => {
-                Err((render_f64(v), format!("is out of range ({:?}..={:?})", self.0.start(), self.0.end())))
-            }
+            Raw::Float(v) => Err((render_f64(v), format!("is out of range ({:?}..={:?})", self.0.start(), self.0.end()))),
             other => wrong_shape(other, Shape::Float),
         }
     }
@@ -912,12 +909,7 @@ impl Rule<Vec<usize>> for Ramp {
         }
     }
     fn allowed(&self) -> String {
-        format!(
-            "{} to {} entries, each `{}`",
-            RAMP_LEN.start(),
-            RAMP_LEN.end(),
-            range_text(&RAMP_FRAMES)
-        )
+        format!("{} to {} entries, each `{}`", RAMP_LEN.start(), RAMP_LEN.end(), range_text(&RAMP_FRAMES))
     }
 }
 
@@ -1024,10 +1016,7 @@ fn ramp(v: Vec<i128>) -> Result<Vec<usize>, Bad> {
         match usize::try_from(x) {
             Ok(f) if RAMP_FRAMES.contains(&f) => out.push(f),
             _ => {
-                return Err((
-                    shown,
-                    format!("has entry {x}: each entry must be in {} frames", range_text(&RAMP_FRAMES)),
-                ));
+                return Err((shown, format!("has entry {x}: each entry must be in {} frames", range_text(&RAMP_FRAMES))));
             }
         }
     }
@@ -1053,8 +1042,7 @@ impl SynthesisConfig {
 pub fn clock_seed() -> u64 {
     use std::sync::atomic::{AtomicU64, Ordering};
     static COUNTER: AtomicU64 = AtomicU64::new(0);
-    let nanos =
-        std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_nanos() as u64).unwrap_or(0);
+    let nanos = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_nanos() as u64).unwrap_or(0);
     // SplitMix64 finalizer over time and counter.
     let mut z = nanos ^ COUNTER.fetch_add(1, Ordering::Relaxed).wrapping_mul(0x9E37_79B9_7F4A_7C15);
     z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
@@ -1174,11 +1162,7 @@ impl Config {
     ///
     /// # Errors
     /// As [`Config::load`].
-    pub fn load_with_default(
-        default_path: &Path,
-        explicit: Option<&Path>,
-        env: &[(String, String)],
-    ) -> Result<Config, ConfigError> {
+    pub fn load_with_default(default_path: &Path, explicit: Option<&Path>, env: &[(String, String)]) -> Result<Config, ConfigError> {
         // Settings from the environment: names first, so a typo is reported even when the file
         // has a problem too.
         let mut settings: Vec<(&'static str, &str, &str)> = Vec::new();
@@ -1189,14 +1173,12 @@ impl Config {
             {
                 continue;
             }
-            let key =
-                keys().find(|k| env_name(k) == *name).ok_or_else(|| ConfigError::UnknownEnv { name: name.clone() })?;
+            let key = keys().find(|k| env_name(k) == *name).ok_or_else(|| ConfigError::UnknownEnv { name: name.clone() })?;
             settings.push((key, name, value));
         }
         settings.sort_by_key(|(_, name, _)| *name);
 
-        let config_env =
-            env.iter().rev().find(|(n, _)| n == CONFIG_ENV).map(|(_, v)| v.as_str()).filter(|v| !v.is_empty());
+        let config_env = env.iter().rev().find(|(n, _)| n == CONFIG_ENV).map(|(_, v)| v.as_str()).filter(|v| !v.is_empty());
         let (path, via) = match (explicit, config_env) {
             (Some(p), _) => (p, Some("--config")),
             (None, Some(p)) => (Path::new(p), Some(CONFIG_ENV)),
@@ -1309,12 +1291,7 @@ impl Config {
 
     /// Check and apply one source's raw values, in declaration order; returns how many keys it
     /// set.
-    fn merge(
-        &mut self,
-        mut layer: Layer,
-        origin: &dyn Fn(&str) -> String,
-        base: Option<&Path>,
-    ) -> Result<usize, ConfigError> {
+    fn merge(&mut self, mut layer: Layer, origin: &dyn Fn(&str) -> String, base: Option<&Path>) -> Result<usize, ConfigError> {
         let mut set = 0;
         for key in SETTINGS {
             let Some(raw) = layer.remove(key.name) else { continue };
@@ -1572,8 +1549,7 @@ mod tests {
 
     #[test]
     fn env_overrides_file() {
-        let path =
-            file("env.toml", "[audio]\nvolume = 0.5\ndevice = \"hw:1\"\n[synthesis]\nspeaker = \"ryan\"\nseed = 7\n");
+        let path = file("env.toml", "[audio]\nvolume = 0.5\ndevice = \"hw:1\"\n[synthesis]\nspeaker = \"ryan\"\nseed = 7\n");
         let vars = env(&[
             ("HERALD_AUDIO_VOLUME", "1.5"),
             ("HERALD_SYNTHESIS_RAMP", "2,4,8"),
@@ -1599,8 +1575,7 @@ mod tests {
         assert!(c.source.contains(&"env HERALD_SYNTHESIS_RAMP".to_string()));
         assert_eq!(c.source[1], format!("file {}", path.display()));
         // a bracketed list is accepted too
-        let c = Config::load_with_default(Path::new(NO_DEFAULT), None, &env(&[("HERALD_SYNTHESIS_RAMP", "[ 3, 5 ]")]))
-            .unwrap();
+        let c = Config::load_with_default(Path::new(NO_DEFAULT), None, &env(&[("HERALD_SYNTHESIS_RAMP", "[ 3, 5 ]")])).unwrap();
         assert_eq!(c.synthesis.ramp, vec![3, 5]);
     }
 
@@ -1666,16 +1641,13 @@ mod tests {
         let c = Config::load_with_default(&path, None, &env(&[("HERALD_CONFIG", "")])).unwrap();
         assert_eq!(c.audio.volume, 0.3);
         // a missing HERALD_CONFIG file is an error naming it
-        let e =
-            Config::load_with_default(Path::new(NO_DEFAULT), None, &env(&[("HERALD_CONFIG", "/nonexistent/h.toml")]))
-                .unwrap_err();
+        let e = Config::load_with_default(Path::new(NO_DEFAULT), None, &env(&[("HERALD_CONFIG", "/nonexistent/h.toml")])).unwrap_err();
         assert_eq!(e.to_string(), "/nonexistent/h.toml: config file not found (named by HERALD_CONFIG)");
     }
 
     #[test]
     fn missing_config_file() {
-        let e = Config::load_with_default(Path::new(NO_DEFAULT), Some(Path::new("/nonexistent/herald.toml")), &[])
-            .unwrap_err();
+        let e = Config::load_with_default(Path::new(NO_DEFAULT), Some(Path::new("/nonexistent/herald.toml")), &[]).unwrap_err();
         assert!(matches!(e, ConfigError::NotFound { via: "--config", .. }), "{e:?}");
         assert_eq!(e.to_string(), "/nonexistent/herald.toml: config file not found (named by --config)");
         // a directory is not readable as a file
@@ -1693,10 +1665,7 @@ mod tests {
             let e = load_text(&format!("unknown-{section}.toml"), &text).unwrap_err();
             assert!(matches!(&e, ConfigError::UnknownKey { key, .. } if *key == format!("{section}.bogus")), "{e:?}");
             let msg = e.to_string();
-            assert!(
-                msg.contains(&format!("unknown-{section}.toml:3: unknown key {section}.bogus (keys of [{section}]: ")),
-                "{msg}"
-            );
+            assert!(msg.contains(&format!("unknown-{section}.toml:3: unknown key {section}.bogus (keys of [{section}]: ")), "{msg}");
             for n in &names {
                 assert!(msg.contains(n), "{msg} lists {n}");
             }
@@ -1754,20 +1723,11 @@ mod tests {
         ("[synthesis]\nmode = \"x\"", "synthesis.mode = \"x\" is not one of: streaming, non-streaming"),
         ("[synthesis]\nsampling = \"random\"", "synthesis.sampling = \"random\" is not one of: sample, greedy"),
         ("[synthesis]\nseed = -1", "synthesis.seed = -1 is out of range (0..=9223372036854775807)"),
-        (
-            "[synthesis]\nramp = [2, 0, 8]",
-            "synthesis.ramp = [2, 0, 8] has entry 0: each entry must be in 1..=256 frames",
-        ),
+        ("[synthesis]\nramp = [2, 0, 8]", "synthesis.ramp = [2, 0, 8] has entry 0: each entry must be in 1..=256 frames"),
         ("[synthesis]\nramp = [300]", "synthesis.ramp = [300] has entry 300: each entry must be in 1..=256 frames"),
-        (
-            "[synthesis]\nramp = []",
-            "synthesis.ramp = [] must not be empty (chunk sizes in frames, e.g. [2, 4, 8, 16, 25])",
-        ),
+        ("[synthesis]\nramp = []", "synthesis.ramp = [] must not be empty (chunk sizes in frames, e.g. [2, 4, 8, 16, 25])"),
         ("[synthesis]\nramp = 4", "synthesis.ramp = 4 has the wrong type (expected an array of integers)"),
-        (
-            "[synthesis]\nramp = [2, \"a\"]",
-            "synthesis.ramp = [2, \"a\"] has the wrong type (expected an array of integers)",
-        ),
+        ("[synthesis]\nramp = [2, \"a\"]", "synthesis.ramp = [2, \"a\"] has the wrong type (expected an array of integers)"),
         ("[synthesis]\nleft_context = 0", "synthesis.left_context = 0 is out of range (1..=512)"),
         ("[synthesis]\nleft_context = 513", "synthesis.left_context = 513 is out of range (1..=512)"),
         ("[synthesis]\nkv_capacity = 63", "synthesis.kv_capacity = 63 is out of range (64..=65536)"),
@@ -1815,20 +1775,20 @@ mod tests {
 
     #[test]
     fn unknown_environment_variable() {
-        let e =
-            Config::load_with_default(Path::new(NO_DEFAULT), None, &env(&[("HERALD_AUDIO_VOLUM", "1")])).unwrap_err();
+        let e = Config::load_with_default(Path::new(NO_DEFAULT), None, &env(&[("HERALD_AUDIO_VOLUM", "1")])).unwrap_err();
         assert!(matches!(&e, ConfigError::UnknownEnv { name } if name == "HERALD_AUDIO_VOLUM"), "{e:?}");
         let msg = e.to_string();
-        assert!(msg.starts_with("unknown environment variable HERALD_AUDIO_VOLUM: settings are HERALD_<SECTION>_<KEY> (HERALD_MODEL_BUNDLE, "), "{msg}");
+        assert!(
+            msg.starts_with(
+                "unknown environment variable HERALD_AUDIO_VOLUM: settings are HERALD_<SECTION>_<KEY> (HERALD_MODEL_BUNDLE, "
+            ),
+            "{msg}"
+        );
         assert!(msg.contains("HERALD_AUDIO_VOLUME,"), "{msg}");
         assert!(msg.ends_with("also allowed: HERALD_CONFIG, HERALD_HW_PROFILE, HERALD_PYTHON, HERALD_TEST_*"), "{msg}");
         // even when the file is fine, and before the file is read
-        let e = Config::load_with_default(
-            Path::new(NO_DEFAULT),
-            Some(Path::new("/nonexistent")),
-            &env(&[("HERALD_GPIO_PIN", "4")]),
-        )
-        .unwrap_err();
+        let e = Config::load_with_default(Path::new(NO_DEFAULT), Some(Path::new("/nonexistent")), &env(&[("HERALD_GPIO_PIN", "4")]))
+            .unwrap_err();
         assert!(matches!(e, ConfigError::UnknownEnv { .. }), "{e:?}");
         // names are case-sensitive: other variables are not herald's
         Config::load_with_default(Path::new(NO_DEFAULT), None, &env(&[("herald_audio_volum", "1")])).unwrap();
@@ -1872,16 +1832,8 @@ mod tests {
                 "x",
                 "env HERALD_SYNTHESIS_MODE: synthesis.mode = \"x\" is not one of: streaming, non-streaming",
             ),
-            (
-                "HERALD_RUNTIME_THREADS",
-                "1000",
-                "env HERALD_RUNTIME_THREADS: runtime.threads = 1000 is out of range (0..=256)",
-            ),
-            (
-                "HERALD_LOG_LEVEL",
-                "loud",
-                "env HERALD_LOG_LEVEL: log.level = \"loud\" is not one of: error, warn, info, debug, trace",
-            ),
+            ("HERALD_RUNTIME_THREADS", "1000", "env HERALD_RUNTIME_THREADS: runtime.threads = 1000 is out of range (0..=256)"),
+            ("HERALD_LOG_LEVEL", "loud", "env HERALD_LOG_LEVEL: log.level = \"loud\" is not one of: error, warn, info, debug, trace"),
         ];
         for (name, value, want) in cases {
             let e = Config::load_with_default(Path::new(NO_DEFAULT), None, &env(&[(name, value)])).unwrap_err();
@@ -1893,13 +1845,7 @@ mod tests {
     fn cli_overrides_come_last() {
         let vars = env(&[("HERALD_AUDIO_VOLUME", "0.5"), ("HERALD_SYNTHESIS_SPEAKER", "ryan")]);
         let mut c = Config::load_with_default(Path::new(NO_DEFAULT), None, &vars).unwrap();
-        c.apply_cli(&CliOverrides {
-            volume: Some(0.75),
-            speaker: Some(String::new()),
-            seed: Some(5),
-            ..Default::default()
-        })
-        .unwrap();
+        c.apply_cli(&CliOverrides { volume: Some(0.75), speaker: Some(String::new()), seed: Some(5), ..Default::default() }).unwrap();
         assert_eq!(c.audio.volume, 0.75);
         assert_eq!(c.synthesis.speaker, None);
         assert_eq!(c.synthesis.seed, Some(5));
@@ -1910,10 +1856,7 @@ mod tests {
         let e = c.apply_cli(&CliOverrides { ramp: Some(vec![]), ..Default::default() }).unwrap_err();
         assert!(e.to_string().starts_with("command line: synthesis.ramp = [] must not be empty"), "{e}");
         let e = c.apply_cli(&CliOverrides { seed: Some(u64::MAX), ..Default::default() }).unwrap_err();
-        assert_eq!(
-            e.to_string(),
-            "command line: synthesis.seed = 18446744073709551615 is out of range (0..=9223372036854775807)"
-        );
+        assert_eq!(e.to_string(), "command line: synthesis.seed = 18446744073709551615 is out of range (0..=9223372036854775807)");
         let e = c.apply_cli(&CliOverrides { threads: Some(1000), ..Default::default() }).unwrap_err();
         assert_eq!(e.to_string(), "command line: runtime.threads = 1000 is out of range (0..=256)");
         // an empty override changes nothing and adds no source
@@ -1985,9 +1928,7 @@ mod tests {
 
     #[test]
     fn to_toml_round_trips() {
-        for text in
-            ["", "[synthesis]\nspeaker = \"ryan\"\nseed = 9223372036854775807\nramp = [1]\n[audio]\nvolume = 0.1\n"]
-        {
+        for text in ["", "[synthesis]\nspeaker = \"ryan\"\nseed = 9223372036854775807\nramp = [1]\n[audio]\nvolume = 0.1\n"] {
             let c = load_text("rt-src.toml", text).unwrap();
             let printed = c.to_toml();
             let back = load_text("rt.toml", &printed).unwrap();
@@ -1999,10 +1940,7 @@ mod tests {
         let c = load_text("rt-src.toml", "[audio]\nvolume = 0.1\n").unwrap();
         assert!(c.to_string().contains("volume = 0.1  # from "), "{c}");
         let printed = Config::default().to_toml();
-        assert!(
-            printed.starts_with("[model]\nbundle = \"/usr/share/herald/bundles/default\"\n\n[audio]\n"),
-            "{printed}"
-        );
+        assert!(printed.starts_with("[model]\nbundle = \"/usr/share/herald/bundles/default\"\n\n[audio]\n"), "{printed}");
         assert!(printed.contains("\nvolume = 1.0\n"), "{printed}");
         assert!(printed.contains("\n# speaker: not set\n"), "{printed}");
         assert!(printed.contains("\nramp = [2, 4, 8, 16, 25]\n"), "{printed}");
@@ -2049,10 +1987,8 @@ mod tests {
     fn declared_flags_exist() {
         use clap::CommandFactory;
         let cli = crate::Cli::command();
-        let longs: Vec<String> = cli
-            .get_subcommands()
-            .flat_map(|c| c.get_arguments().filter_map(|a| a.get_long().map(|l| format!("--{l}"))))
-            .collect();
+        let longs: Vec<String> =
+            cli.get_subcommands().flat_map(|c| c.get_arguments().filter_map(|a| a.get_long().map(|l| format!("--{l}")))).collect();
         for key in SETTINGS {
             if let Some(flag) = key.flag {
                 assert!(longs.iter().any(|l| l == flag), "{}: no command has {flag}", key.name);
@@ -2144,8 +2080,7 @@ mod tests {
             std::fs::write(&path, &want).unwrap();
             return;
         }
-        let (n, (have, should)) =
-            md.lines().zip(want.lines()).enumerate().find(|(_, (a, b))| a != b).unwrap_or((0, ("", "")));
+        let (n, (have, should)) = md.lines().zip(want.lines()).enumerate().find(|(_, (a, b))| a != b).unwrap_or((0, ("", "")));
         panic!(
             "docs/config.md differs from the declaration in app/src/config.rs at line {}:\n  docs: {have}\n  code: {should}\n\
              refresh it with HERALD_TEST_BLESS=1 cargo test --workspace config::tests::docs_are_generated",

@@ -133,13 +133,7 @@ pub fn tune(cfg: &Config, dir: &Path, m: &Manifest) -> Result<Tuned, TuneError> 
 ///
 /// # Errors
 /// As [`tune`].
-pub fn tune_for(
-    cfg: &Config,
-    dir: &Path,
-    m: &Manifest,
-    profile: HardwareProfile,
-    allowed: &[usize],
-) -> Result<Tuned, TuneError> {
+pub fn tune_for(cfg: &Config, dir: &Path, m: &Manifest, profile: HardwareProfile, allowed: &[usize]) -> Result<Tuned, TuneError> {
     let bundle_err = |source| TuneError::Bundle { dir: dir.to_owned(), source };
     let fp = footprint(dir, m).map_err(bundle_err)?;
     let derived = derive::derive(&profile, &fp, allowed, cfg.synthesis.kv_capacity as u64)?;

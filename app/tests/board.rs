@@ -97,10 +97,7 @@ fn calibrate_stores_a_schedule_that_speak_uses() {
     let chart = d.join("timeline.svg");
     let b = bundle();
     let env = [("HERALD_RUNTIME_CALIBRATION_DIR", cal_dir.to_str().unwrap())];
-    let o = herald(
-        &["calibrate", "--bundle", b.to_str().unwrap(), "--utterances", "2", "--chart", chart.to_str().unwrap()],
-        &env,
-    );
+    let o = herald(&["calibrate", "--bundle", b.to_str().unwrap(), "--utterances", "2", "--chart", chart.to_str().unwrap()], &env);
     assert!(o.status.success(), "{}", text(&o.stderr));
     let out = text(&o.stdout);
     assert!(out.contains("formula     ramp [") && out.contains("schedule    ramp [") && out.contains("stored      "), "{out}");

@@ -141,7 +141,11 @@ fn documented_exit_codes_with_one_line_reasons() {
     let keep = d.join("keep.wav");
     std::fs::write(&keep, b"precious").unwrap();
     check(herald(&["speak", "  ", "--bundle", bs, "--out", keep.to_str().unwrap()], &[], None), 2, "nothing to say");
-    check(herald(&["speak", "hi", "--bundle", broken.to_str().unwrap(), "--out", keep.to_str().unwrap()], &[], None), 4, "talker.onnx");
+    check(
+        herald(&["speak", "hi", "--bundle", broken.to_str().unwrap(), "--out", keep.to_str().unwrap()], &[], None),
+        4,
+        "talker.onnx",
+    );
     assert_eq!(std::fs::read(&keep).unwrap(), b"precious");
     // and leaves no temporary file (board::fsutil names them `.keep.wav.XXXXXX.tmp`)
     assert!(!std::fs::read_dir(&d).unwrap().any(|e| e.unwrap().file_name().to_string_lossy().starts_with(".keep.wav.")));
@@ -151,7 +155,11 @@ fn documented_exit_codes_with_one_line_reasons() {
     // a text that does not fit the KV cache is spoken as far as it fits, then exit 2 naming the key
     let words = "word ".repeat(60);
     // (seeded: an unseeded run may sample eos before the cache fills)
-    let o = herald(&["speak", &words, "--bundle", bs, "--seed", "1", "--out", d.join("kv.wav").to_str().unwrap()], &[("HERALD_SYNTHESIS_KV_CAPACITY", "64")], None);
+    let o = herald(
+        &["speak", &words, "--bundle", bs, "--seed", "1", "--out", d.join("kv.wav").to_str().unwrap()],
+        &[("HERALD_SYNTHESIS_KV_CAPACITY", "64")],
+        None,
+    );
     assert_eq!(o.status.code(), Some(2), "{}", stderr(&o));
     assert!(stderr(&o).contains("synthesis.kv_capacity"));
     // sanitize never renames over a device node

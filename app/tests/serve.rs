@@ -117,11 +117,7 @@ fn serve_speaks_lines_like_speak_and_talks_sd_notify() {
     std::fs::create_dir_all(&out).unwrap();
     let mut child = command(
         &["serve", "--bundle", bs, "--fifo", fifo.to_str().unwrap(), "--out-dir", out.to_str().unwrap()],
-        &[
-            ("NOTIFY_SOCKET", notify.to_str().unwrap()),
-            ("WATCHDOG_USEC", "200000"),
-            ("HERALD_SYNTHESIS_SEED", "11"),
-        ],
+        &[("NOTIFY_SOCKET", notify.to_str().unwrap()), ("WATCHDOG_USEC", "200000"), ("HERALD_SYNTHESIS_SEED", "11")],
     )
     .spawn()
     .unwrap();
@@ -231,7 +227,11 @@ fn startup_errors_exit_with_one_line() {
     check(run(&["serve", "--bundle", bs, "--fifo", regular.to_str().unwrap()], &[]), 2, "not a FIFO");
     assert_eq!(std::fs::read(&regular).unwrap(), b"x");
     let fifo = d.join("say");
-    check(run(&["serve", "--bundle", bs, "--fifo", fifo.to_str().unwrap(), "--out-dir", d.join("nope").to_str().unwrap()], &[]), 2, "--out-dir");
+    check(
+        run(&["serve", "--bundle", bs, "--fifo", fifo.to_str().unwrap(), "--out-dir", d.join("nope").to_str().unwrap()], &[]),
+        2,
+        "--out-dir",
+    );
     check(run(&["serve", "--bundle", "/nonexistent/bundle", "--fifo", fifo.to_str().unwrap()], &[]), 4, "/nonexistent/bundle");
     assert!(!fifo.exists(), "a failed start leaves no FIFO behind");
     check(run(&["serve", "--bundle", bs, "--fifo", fifo.to_str().unwrap()], &[("HERALD_SYNTHESIS_SPEAKER", "nobody")]), 2, "nobody");

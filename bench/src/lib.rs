@@ -604,7 +604,8 @@ impl BenchResult {
     pub fn to_markdown(&self) -> String {
         use std::fmt::Write;
         let mut o = String::new();
-        let _ = writeln!(o, "Bundle `{}`: {} {}, {}; {} compute threads.\n", self.bundle, self.model, self.dtype, self.dims, self.threads);
+        let _ =
+            writeln!(o, "Bundle `{}`: {} {}, {}; {} compute threads.\n", self.bundle, self.model, self.dtype, self.dims, self.threads);
         let st = &self.steps;
         let _ = writeln!(
             o,
@@ -622,7 +623,8 @@ impl BenchResult {
         }
         step_row(&mut o, &st.code_predictor);
         step_row(&mut o, &st.vocoder);
-        let _ = writeln!(o, "\nCode-predictor frame (2-position prefill + 14 sub-steps): median {:.2} ms.", st.predictor_frame.median_ms);
+        let _ =
+            writeln!(o, "\nCode-predictor frame (2-position prefill + 14 sub-steps): median {:.2} ms.", st.predictor_frame.median_ms);
         if let Some(p) = &self.pipeline {
             let _ = writeln!(o, "\n| pipeline ({} frames, {:.2} s audio) | value |", p.frames, p.audio_s);
             let _ = writeln!(o, "|---|---|");
@@ -662,7 +664,11 @@ impl BenchResult {
             }
         }
         if !self.sweep.is_empty() {
-            let _ = writeln!(o, "\n| threads | bandwidth GB/s | talker ms (past {}) | talker floor fraction | predictor sub-step ms | predictor floor fraction | vocoder chunk ms |", self.sweep[0].talker.first().map_or(0, |t| t.past));
+            let _ = writeln!(
+                o,
+                "\n| threads | bandwidth GB/s | talker ms (past {}) | talker floor fraction | predictor sub-step ms | predictor floor fraction | vocoder chunk ms |",
+                self.sweep[0].talker.first().map_or(0, |t| t.past)
+            );
             let _ = writeln!(o, "|---|---|---|---|---|---|---|");
             for s in &self.sweep {
                 let (tm, tf) = s.talker.first().map_or((0.0, 0.0), |t| (t.timing.median_ms, t.floor_fraction));

@@ -359,11 +359,7 @@ pub fn load(dir: &Path, fingerprint: &str, steady: usize, live: bool) -> Lookup 
         Err(e) => return Lookup::Ignored(format!("{}: not a calibration file ({e})", path.display())),
     };
     if cal.version != FORMAT_VERSION {
-        return Lookup::Ignored(format!(
-            "{}: format version {} (this herald reads {FORMAT_VERSION})",
-            path.display(),
-            cal.version
-        ));
+        return Lookup::Ignored(format!("{}: format version {} (this herald reads {FORMAT_VERSION})", path.display(), cal.version));
     }
     if cal.fingerprint != fingerprint {
         return Lookup::Ignored(format!(
@@ -373,10 +369,7 @@ pub fn load(dir: &Path, fingerprint: &str, steady: usize, live: bool) -> Lookup 
         ));
     }
     if live && cal.profile_override {
-        return Lookup::Ignored(format!(
-            "{}: measured on another machine under HERALD_HW_PROFILE, not on this board",
-            path.display()
-        ));
+        return Lookup::Ignored(format!("{}: measured on another machine under HERALD_HW_PROFILE, not on this board", path.display()));
     }
     let r = &cal.schedule.ramp;
     if r.is_empty() || r.contains(&0) || r.len() > 32 || r.iter().any(|&n| n > 256) {

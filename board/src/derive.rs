@@ -128,7 +128,9 @@ pub fn derive(
     let fp16_arith = hw.has(&["fp16_arith"]);
     let dtype = if model.dtype == Dtype::Fp16 && fp16_arith { Dtype::Fp16 } else { Dtype::Fp32 };
     if model.dtype == Dtype::Fp16 && !fp16_arith {
-        notes.push("the bundle is fp16 but this CPU has no fp16 arithmetic: products run emulated; an fp32 bundle is faster here".into());
+        notes.push(
+            "the bundle is fp16 but this CPU has no fp16 arithmetic: products run emulated; an fp32 bundle is faster here".into(),
+        );
     }
 
     // stage CPU sets: the probe's split, restricted to the CPUs we may use
@@ -165,7 +167,8 @@ pub fn derive(
         // The probe could not read /proc/meminfo (or an override left RAM out): nothing to
         // check against, so do not refuse; keep the configured capacity.
         notes.push("RAM size unknown: memory budget not checked".into());
-        let kv_capacity = if model.max_positions > 0 { configured_kv_capacity.min(model.max_positions) } else { configured_kv_capacity };
+        let kv_capacity =
+            if model.max_positions > 0 { configured_kv_capacity.min(model.max_positions) } else { configured_kv_capacity };
         return Ok(Derived {
             class: hw.class,
             dtype,
@@ -182,11 +185,8 @@ pub fn derive(
             notes,
         });
     }
-    let kv_fit = if budget > model.fixed_cache_bytes as i64 {
-        (budget as u64 - model.fixed_cache_bytes) * 2 / (per_position * 3)
-    } else {
-        0
-    };
+    let kv_fit =
+        if budget > model.fixed_cache_bytes as i64 { (budget as u64 - model.fixed_cache_bytes) * 2 / (per_position * 3) } else { 0 };
     if kv_fit < MIN_KV_POSITIONS {
         return Err(DoesNotFit {
             available: mib(available),
@@ -207,9 +207,7 @@ pub fn derive(
     if configured_kv_capacity > 0 && kv_capacity > configured_kv_capacity {
         kv_capacity = configured_kv_capacity;
     } else if kv_capacity < configured_kv_capacity {
-        notes.push(format!(
-            "KV capacity limited by memory to {kv_capacity} positions (configured {configured_kv_capacity})"
-        ));
+        notes.push(format!("KV capacity limited by memory to {kv_capacity} positions (configured {configured_kv_capacity})"));
     }
     Ok(Derived {
         class: hw.class,

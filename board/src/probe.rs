@@ -239,18 +239,14 @@ fn dir_names(path: &Path) -> Vec<String> {
     let Ok(rd) = fs::read_dir(path) else {
         return Vec::new();
     };
-    let mut v: Vec<String> = rd
-        .filter_map(|e| e.ok())
-        .filter_map(|e| e.file_name().into_string().ok())
-        .collect();
+    let mut v: Vec<String> = rd.filter_map(|e| e.ok()).filter_map(|e| e.file_name().into_string().ok()).collect();
     v.sort();
     v
 }
 
 /// `name` is `prefix` followed by only digits (at least one).
 fn numbered(name: &str, prefix: &str) -> bool {
-    name.strip_prefix(prefix)
-        .is_some_and(|r| !r.is_empty() && r.bytes().all(|b| b.is_ascii_digit()))
+    name.strip_prefix(prefix).is_some_and(|r| !r.is_empty() && r.bytes().all(|b| b.is_ascii_digit()))
 }
 
 fn normalise_flag(raw: &str) -> Option<&'static str> {
@@ -314,12 +310,7 @@ fn parse_cpuinfo(text: &str) -> CpuInfo {
             _ => {}
         }
     }
-    CpuInfo {
-        n_processors,
-        model: model.map(|(_, m)| m),
-        flags,
-        arm_arch_line,
-    }
+    CpuInfo { n_processors, model: model.map(|(_, m)| m), flags, arm_arch_line }
 }
 
 fn parse_meminfo(text: &str) -> (u64, u64) {
@@ -329,11 +320,7 @@ fn parse_meminfo(text: &str) -> (u64, u64) {
         let Some((k, v)) = line.split_once(':') else {
             continue;
         };
-        let kb: u64 = v
-            .split_whitespace()
-            .next()
-            .and_then(|n| n.parse().ok())
-            .unwrap_or(0);
+        let kb: u64 = v.split_whitespace().next().and_then(|n| n.parse().ok()).unwrap_or(0);
         match k.trim() {
             "MemTotal" => total = kb * 1024,
             "MemAvailable" => avail = kb * 1024,
@@ -350,16 +337,8 @@ fn dt_string(raw: &str) -> String {
 
 /// Directories searched for QNN libraries (relative to the root), plus `LD_LIBRARY_PATH` on a
 /// live probe.
-const LIB_DIRS: &[&str] = &[
-    "usr/lib",
-    "usr/lib64",
-    "usr/lib/aarch64-linux-gnu",
-    "usr/local/lib",
-    "lib",
-    "lib64",
-    "vendor/lib64",
-    "odm/lib64",
-];
+const LIB_DIRS: &[&str] =
+    &["usr/lib", "usr/lib64", "usr/lib/aarch64-linux-gnu", "usr/local/lib", "lib", "lib64", "vendor/lib64", "odm/lib64"];
 
 fn npu_evidence(root: &Path, live: bool) -> Vec<String> {
     let mut ev = Vec::new();
@@ -373,10 +352,7 @@ fn npu_evidence(root: &Path, live: bool) -> Vec<String> {
             ev.push(format!("/dev/accel/{name}"));
         }
     }
-    let mut dirs: Vec<(PathBuf, String)> = LIB_DIRS
-        .iter()
-        .map(|d| (root.join(d), format!("/{d}")))
-        .collect();
+    let mut dirs: Vec<(PathBuf, String)> = LIB_DIRS.iter().map(|d| (root.join(d), format!("/{d}"))).collect();
     if live && let Some(lp) = std::env::var_os("LD_LIBRARY_PATH") {
         for d in std::env::split_paths(&lp) {
             if !d.as_os_str().is_empty() {
@@ -414,10 +390,7 @@ fn infer_arch(flags: &BTreeSet<&'static str>, arm_arch_line: bool) -> String {
 /// any other missing file leaves its value at the default.
 pub fn probe(root: &Path) -> Result<HardwareProfile, ProbeError> {
     let cpuinfo_path = root.join("proc/cpuinfo");
-    let cpuinfo_text = fs::read_to_string(&cpuinfo_path).map_err(|source| ProbeError::Read {
-        path: cpuinfo_path.clone(),
-        source,
-    })?;
+    let cpuinfo_text = fs::read_to_string(&cpuinfo_path).map_err(|source| ProbeError::Read { path: cpuinfo_path.clone(), source })?;
     let info = parse_cpuinfo(&cpuinfo_text);
     let live = root == Path::new("/");
 
@@ -425,10 +398,7 @@ pub fn probe(root: &Path) -> Result<HardwareProfile, ProbeError> {
     let n_logical = if info.n_processors > 0 {
         info.n_processors
     } else {
-        let n = dir_names(&cpu_dir)
-            .iter()
-            .filter(|n| numbered(n, "cpu"))
-            .count();
+        let n = dir_names(&cpu_dir).iter().filter(|n| numbered(n, "cpu")).count();
         if n > 0 {
             n
         } else if live {
@@ -452,47 +422,19 @@ pub fn probe(root: &Path) -> Result<HardwareProfile, ProbeError> {
             by_freq.entry(khz).or_default().push(cpu);
         }
     }
-    let n_physical = if cores.is_empty() {
-        n_logical
-    } else {
-        cores.len()
-    };
-    let clusters: Vec<Cluster> = by_freq
-        .into_iter()
-        .rev()
-        .map(|(max_khz, cpus)| Cluster { max_khz, cpus })
-        .collect();
+    let n_physical = if cores.is_empty() { n_logical } else { cores.len() };
+    let clusters: Vec<Cluster> = by_freq.into_iter().rev().map(|(max_khz, cpus)| Cluster { max_khz, cpus }).collect();
 
-    let numa_nodes = dir_names(&root.join("sys/devices/system/node"))
-        .iter()
-        .filter(|n| numbered(n, "node"))
-        .count()
-        .max(1);
-    let (ram_total_bytes, ram_available_bytes) = read_opt(&root.join("proc/meminfo"))
-        .map(|t| parse_meminfo(&t))
-        .unwrap_or((0, 0));
-    let thermal_zones = dir_names(&root.join("sys/class/thermal"))
-        .iter()
-        .filter(|n| numbered(n, "thermal_zone"))
-        .count();
+    let numa_nodes = dir_names(&root.join("sys/devices/system/node")).iter().filter(|n| numbered(n, "node")).count().max(1);
+    let (ram_total_bytes, ram_available_bytes) = read_opt(&root.join("proc/meminfo")).map(|t| parse_meminfo(&t)).unwrap_or((0, 0));
+    let thermal_zones = dir_names(&root.join("sys/class/thermal")).iter().filter(|n| numbered(n, "thermal_zone")).count();
 
-    let device_tree_model = read_opt(&root.join("proc/device-tree/model"))
-        .map(|s| dt_string(&s))
-        .filter(|s| !s.is_empty());
-    let compatible = read_opt(&root.join("proc/device-tree/compatible"))
-        .map(|s| dt_string(&s))
-        .unwrap_or_default();
-    let is_jetson =
-        root.join("etc/nv_tegra_release").exists() || compatible.to_lowercase().contains("tegra");
-    let is_raspberry_pi = device_tree_model
-        .as_deref()
-        .is_some_and(|m| m.starts_with("Raspberry Pi"));
+    let device_tree_model = read_opt(&root.join("proc/device-tree/model")).map(|s| dt_string(&s)).filter(|s| !s.is_empty());
+    let compatible = read_opt(&root.join("proc/device-tree/compatible")).map(|s| dt_string(&s)).unwrap_or_default();
+    let is_jetson = root.join("etc/nv_tegra_release").exists() || compatible.to_lowercase().contains("tegra");
+    let is_raspberry_pi = device_tree_model.as_deref().is_some_and(|m| m.starts_with("Raspberry Pi"));
 
-    let arch = if live {
-        std::env::consts::ARCH.to_string()
-    } else {
-        infer_arch(&info.flags, info.arm_arch_line)
-    };
+    let arch = if live { std::env::consts::ARCH.to_string() } else { infer_arch(&info.flags, info.arm_arch_line) };
     let npu = npu_evidence(root, live);
 
     let class = if is_jetson {
@@ -505,10 +447,7 @@ pub fn probe(root: &Path) -> Result<HardwareProfile, ProbeError> {
         HardwareClass::X86Cpu
     };
 
-    let cpu_model = info
-        .model
-        .or_else(|| device_tree_model.clone())
-        .unwrap_or_else(|| "unknown".into());
+    let cpu_model = info.model.or_else(|| device_tree_model.clone()).unwrap_or_else(|| "unknown".into());
 
     Ok(HardwareProfile {
         arch,
@@ -533,15 +472,9 @@ pub fn probe(root: &Path) -> Result<HardwareProfile, ProbeError> {
 /// Load a serialised profile; `source` becomes `override:<path>`.
 pub fn load_override(path: impl AsRef<Path>) -> Result<HardwareProfile, ProbeError> {
     let path = path.as_ref();
-    let text = fs::read_to_string(path).map_err(|source| ProbeError::Read {
-        path: path.to_path_buf(),
-        source,
-    })?;
+    let text = fs::read_to_string(path).map_err(|source| ProbeError::Read { path: path.to_path_buf(), source })?;
     let mut p: HardwareProfile =
-        serde_json::from_str(&text).map_err(|source| ProbeError::Json {
-            path: path.to_path_buf(),
-            source,
-        })?;
+        serde_json::from_str(&text).map_err(|source| ProbeError::Json { path: path.to_path_buf(), source })?;
     p.source = format!("override:{}", path.display());
     Ok(p)
 }

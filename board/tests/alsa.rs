@@ -506,10 +506,8 @@ fn a_capture_through_file_over_null_equals_the_wav_output() {
     }
 
     // Float output: the same samples before quantisation.
-    let mut f = AlsaSink::new(
-        AlsaSettings { device: "herald_null".into(), format: SampleFormat::F32, ..AlsaSettings::default() },
-        shaper(),
-    );
+    let mut f =
+        AlsaSink::new(AlsaSettings { device: "herald_null".into(), format: SampleFormat::F32, ..AlsaSettings::default() }, shaper());
     let stats = play(&mut f, &x, &[], Duration::ZERO);
     eprintln!("herald_null granted with FLOAT_LE preferred: {stats:?}");
     assert_eq!(stats.format, SampleFormat::F32);
@@ -576,10 +574,8 @@ fn c_48k_stereo_devices_get_resampled_and_upmixed_audio() {
     }
 
     // With alsa-lib resampling allowed, plug converts the rate itself (channels stay linked).
-    let mut s = AlsaSink::new(
-        AlsaSettings { device: "herald_plug48".into(), alsa_resample: true, ..AlsaSettings::default() },
-        shaper(),
-    );
+    let mut s =
+        AlsaSink::new(AlsaSettings { device: "herald_plug48".into(), alsa_resample: true, ..AlsaSettings::default() }, shaper());
     let stats = play(&mut s, &x, &[], Duration::ZERO);
     eprintln!("herald_plug48 with alsa_resample granted: {stats:?}");
     assert_eq!((stats.device_rate, stats.channels), (24000, 2));
@@ -653,11 +649,7 @@ fn e_device_list_comes_from_the_hints() {
 fn f_a_device_that_stops_consuming_fails_with_stalled_and_is_released() {
     let (_g, _env) = env();
     let mut s = AlsaSink::new(
-        AlsaSettings {
-            device: "herald_frozen".into(),
-            stall_timeout: Duration::from_millis(300),
-            ..AlsaSettings::default()
-        },
+        AlsaSettings { device: "herald_frozen".into(), stall_timeout: Duration::from_millis(300), ..AlsaSettings::default() },
         shaper(),
     );
     s.begin(24000).unwrap();

@@ -7,16 +7,11 @@ use std::path::{Path, PathBuf};
 use board::probe::{Cluster, HardwareClass, HardwareProfile, ProbeError, load_override, probe};
 
 fn fixture(name: &str) -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR"))
-        .join("tests/fixtures")
-        .join(name)
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures").join(name)
 }
 
 fn cl(max_khz: u64, cpus: &[usize]) -> Cluster {
-    Cluster {
-        max_khz,
-        cpus: cpus.to_vec(),
-    }
+    Cluster { max_khz, cpus: cpus.to_vec() }
 }
 
 const ARM_FLAGS: &[&str] = &["dotprod", "fp16_arith", "neon"];
@@ -52,10 +47,7 @@ fn rpi5() {
     assert_eq!(p.class, HardwareClass::Arm64Cpu);
     assert_eq!(p.arch, "aarch64");
     assert!(p.is_raspberry_pi && !p.is_jetson);
-    assert_eq!(
-        p.device_tree_model.as_deref(),
-        Some("Raspberry Pi 5 Model B Rev 1.0")
-    );
+    assert_eq!(p.device_tree_model.as_deref(), Some("Raspberry Pi 5 Model B Rev 1.0"));
     // No `Hardware`/`model name` line in Pi 5 cpuinfo: the model comes from the device tree.
     assert_eq!(p.cpu_model, "Raspberry Pi 5 Model B Rev 1.0");
     assert_eq!((p.n_logical, p.n_physical), (4, 4));
@@ -77,26 +69,12 @@ fn rb3gen2_is_snapdragon_npu() {
     assert!(!p.is_jetson && !p.is_raspberry_pi);
     assert_eq!(p.cpu_model, "Qualcomm Technologies, Inc. Robotics RB3gen2");
     assert_eq!((p.n_logical, p.n_physical), (8, 8));
-    assert_eq!(
-        p.clusters,
-        vec![
-            cl(2_707_200, &[7]),
-            cl(2_400_000, &[4, 5, 6]),
-            cl(1_958_400, &[0, 1, 2, 3]),
-        ]
-    );
+    assert_eq!(p.clusters, vec![cl(2_707_200, &[7]), cl(2_400_000, &[4, 5, 6]), cl(1_958_400, &[0, 1, 2, 3]),]);
     assert_eq!(p.cpu_flags, ARM_FLAGS);
     assert_eq!(p.ram_total_bytes, 5_863_296 * 1024);
     assert_eq!(p.ram_available_bytes, 3_920_684 * 1024);
     assert_eq!(p.thermal_zones, 8);
-    assert_eq!(
-        p.npu,
-        vec![
-            "/dev/fastrpc-adsp",
-            "/dev/fastrpc-cdsp",
-            "/usr/lib/libQnnHtp.so"
-        ]
-    );
+    assert_eq!(p.npu, vec!["/dev/fastrpc-adsp", "/dev/fastrpc-cdsp", "/usr/lib/libQnnHtp.so"]);
     // The big cluster is the single prime core (cpu7): it serves both stages.
     // prime (2.71 GHz) and gold (2.40 GHz, 89 %) are big; the 1.96 GHz silver cluster is not
     assert_eq!(p.big_cpus(), vec![7, 4, 5, 6]);
@@ -109,10 +87,7 @@ fn rk3588_big_little() {
     assert_eq!(p.class, HardwareClass::Arm64Cpu);
     assert_eq!(p.cpu_model, "Radxa ROCK 5B");
     assert_eq!((p.n_logical, p.n_physical), (8, 8));
-    assert_eq!(
-        p.clusters,
-        vec![cl(2_256_000, &[4, 5, 6, 7]), cl(1_800_000, &[0, 1, 2, 3])]
-    );
+    assert_eq!(p.clusters, vec![cl(2_256_000, &[4, 5, 6, 7]), cl(1_800_000, &[0, 1, 2, 3])]);
     assert_eq!(p.cpu_flags, ARM_FLAGS);
     assert_eq!(p.ram_total_bytes, 16_183_024 * 1024);
     assert_eq!(p.thermal_zones, 7);
@@ -140,10 +115,7 @@ fn x86_two_core_avx2() {
 
 #[test]
 fn thread_split_without_clusters_uses_all_cpus() {
-    let p = HardwareProfile {
-        n_logical: 3,
-        ..HardwareProfile::default()
-    };
+    let p = HardwareProfile { n_logical: 3, ..HardwareProfile::default() };
     assert_eq!(p.big_cpus(), vec![0, 1, 2]);
     assert_eq!(p.thread_split(), (vec![0, 1], vec![2]));
 }
@@ -161,13 +133,7 @@ fn override_round_trip() {
     let loaded = load_override(&path).unwrap();
     assert_eq!(loaded.source, format!("override:{}", path.display()));
     assert_eq!(loaded.class, HardwareClass::SnapdragonNpu);
-    assert_eq!(
-        HardwareProfile {
-            source: "probe".into(),
-            ..loaded
-        },
-        probed
-    );
+    assert_eq!(HardwareProfile { source: "probe".into(), ..loaded }, probed);
 
     // A partial profile fills the rest with defaults.
     std::fs::write(&path, r#"{"class":"x86_cpu","n_logical":4}"#).unwrap();
@@ -196,10 +162,7 @@ fn malformed_override_names_the_file() {
     std::fs::write(&path, "{ \"class\": \"jetson\", ").unwrap();
     let err = load_override(&path).unwrap_err();
     assert!(matches!(err, ProbeError::Json { .. }), "{err:?}");
-    assert!(
-        err.to_string().contains(&path.display().to_string()),
-        "{err}"
-    );
+    assert!(err.to_string().contains(&path.display().to_string()), "{err}");
     // An absent override file is a read error naming it.
     let missing = dir.join("absent.json");
     let err = load_override(&missing).unwrap_err();

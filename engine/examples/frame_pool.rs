@@ -12,12 +12,12 @@ use backend_tract::Tract;
 use std::alloc::System;
 use std::sync::Arc;
 
-use engine::pool::{FramePool, Pooled};
-use engine::decoder::Decoder;
-use engine::vocoder::Vocoder;
 use engine::Bundle;
-use model::CODEBOOKS;
+use engine::decoder::Decoder;
+use engine::pool::{FramePool, Pooled};
+use engine::vocoder::Vocoder;
 use engine::{EngineSettings, Request};
+use model::CODEBOOKS;
 
 #[global_allocator]
 static GLOBAL: Pooled<System> = Pooled::new(System);
@@ -79,9 +79,9 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     let high = pool.stats().high_water_bytes;
     drop(installed);
     drop(pool);
-    let hwm = std::fs::read_to_string("/proc/self/status").ok().and_then(|s| {
-        s.lines().find(|l| l.starts_with("VmHWM:")).map(|l| l.split_whitespace().nth(1).unwrap_or("0").to_owned())
-    });
+    let hwm = std::fs::read_to_string("/proc/self/status")
+        .ok()
+        .and_then(|s| s.lines().find(|l| l.starts_with("VmHWM:")).map(|l| l.split_whitespace().nth(1).unwrap_or("0").to_owned()));
     println!("vocoder pool high water {:.1} MiB; process peak RSS (VmHWM) {} kB", mib(high), hwm.unwrap_or_default());
     let mut dec = Decoder::new(Arc::clone(&b), &EngineSettings::default())?;
     dec.start(&Request { max_frames: Some(40), ..Request::new("Frame pools keep what a frame frees.") })?;

@@ -9,9 +9,9 @@ use backend_tract::Tract;
 use std::sync::Arc;
 use std::time::Instant;
 
+use engine::Bundle;
 use engine::EngineSettings;
 use model::backend::{StackRole, StepSpec};
-use engine::Bundle;
 
 fn main() -> Result<(), Box<dyn std::error::Error>> {
     let mut args = std::env::args().skip(1);

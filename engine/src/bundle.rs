@@ -97,7 +97,10 @@ impl Bundle {
 fn check_caches(dir: &Path, m: &Manifest, key: &str, stack: &model::manifest::StackInfo) -> Result<(), EngineError> {
     use model::manifest::{CacheKind, Dim};
     let file = dir.join("bundle.toml");
-    let g = m.graphs.get(&stack.graph).ok_or_else(|| EngineError::Bundle(format!("{}: {key}.graph {:?} is not in [graphs]", file.display(), stack.graph)))?;
+    let g = m
+        .graphs
+        .get(&stack.graph)
+        .ok_or_else(|| EngineError::Bundle(format!("{}: {key}.graph {:?} is not in [graphs]", file.display(), stack.graph)))?;
     for (i, kind) in stack.cache.iter().enumerate() {
         for kv in ["k", "v"] {
             let name = format!("{kv}_cache_{i}");
@@ -109,7 +112,8 @@ fn check_caches(dir: &Path, m: &Manifest, key: &str, stack: &model::manifest::St
                 (CacheKind::Sliding { window }, Some(Dim::Fixed(r))) => u64::from(*window) == r + 1,
                 _ => false,
             };
-            let tail = spec.shape.get(2..) == Some(&[Dim::Fixed(u64::from(stack.kv_heads)), Dim::Fixed(u64::from(stack.head_dim))][..]);
+            let tail =
+                spec.shape.get(2..) == Some(&[Dim::Fixed(u64::from(stack.kv_heads)), Dim::Fixed(u64::from(stack.head_dim))][..]);
             if !rows_ok || !tail || spec.shape.len() != 4 {
                 return Err(EngineError::Bundle(format!(
                     "{}: {key}.cache[{i}] is {kind:?} with {} kv heads x {}, but graph input {name} has shape {:?}",
@@ -123,4 +127,3 @@ fn check_caches(dir: &Path, m: &Manifest, key: &str, stack: &model::manifest::St
     }
     Ok(())
 }
-

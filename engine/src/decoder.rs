@@ -80,8 +80,14 @@ impl Decoder {
         let m = &bundle.manifest;
         let h = m.talker.hidden as usize;
         let cap = settings.kv_capacity.max(16);
-        let talker = bundle.graphs.step_session(&StepSpec { role: StackRole::Talker, capacity: cap, max_seq: MAX_PREFILL_ROWS.min(cap), hidden_in: h })?;
-        let predictor = bundle.graphs.step_session(&StepSpec { role: StackRole::CodePredictor, capacity: CODEBOOKS, max_seq: 2, hidden_in: h })?;
+        let talker = bundle.graphs.step_session(&StepSpec {
+            role: StackRole::Talker,
+            capacity: cap,
+            max_seq: MAX_PREFILL_ROWS.min(cap),
+            hidden_in: h,
+        })?;
+        let predictor =
+            bundle.graphs.step_session(&StepSpec { role: StackRole::CodePredictor, capacity: CODEBOOKS, max_seq: 2, hidden_in: h })?;
         let sampler = Sampler::from_manifest(m)?;
         let vocab = m.codec.vocab_size as usize;
         Ok(Decoder {

@@ -537,7 +537,9 @@ impl Engine {
                         if cancelled() {
                             return Err(EngineError::Cancelled);
                         }
-                        let Some(frame) = meter.unit(0, |r| usize::from(matches!(r, Ok(Some(_)))), || decoder.next_frame())? else { break };
+                        let Some(frame) = meter.unit(0, |r| usize::from(matches!(r, Ok(Some(_)))), || decoder.next_frame())? else {
+                            break;
+                        };
                         meter.trim();
                         let ft = decoder.last_timing();
                         predictor.record(ft.predictor);
@@ -614,7 +616,8 @@ impl Engine {
                         let w0 = window.len() - pending;
                         let ctx_start = w0.saturating_sub(vocoder.left_context);
                         let tv = Instant::now();
-                        let r = meter.unit(w0 + n - ctx_start, |_| n, || vocoder.decode(&window[ctx_start..w0 + n], n, &mut buf[..spf_n]));
+                        let r =
+                            meter.unit(w0 + n - ctx_start, |_| n, || vocoder.decode(&window[ctx_start..w0 + n], n, &mut buf[..spf_n]));
                         voc_stat.record(tv.elapsed());
                         r?;
                         meter.trim();

@@ -133,13 +133,21 @@ mod tests {
             fn backend(&self) -> &'static str {
                 "none"
             }
-            fn step_session(&self, _: &model::backend::StepSpec) -> Result<Box<dyn model::backend::StepSession>, model::backend::StepError> {
+            fn step_session(
+                &self,
+                _: &model::backend::StepSpec,
+            ) -> Result<Box<dyn model::backend::StepSession>, model::backend::StepError> {
                 unreachable!()
             }
             fn vocoder_session(&self, _: usize) -> Result<Box<dyn model::backend::VocoderSession>, model::backend::VocoderError> {
                 unreachable!()
             }
-            fn stage_compute(&self, _: &str, _: &[usize], _: PinThread) -> Result<Box<dyn StageCompute>, model::backend::BackendError> {
+            fn stage_compute(
+                &self,
+                _: &str,
+                _: &[usize],
+                _: PinThread,
+            ) -> Result<Box<dyn StageCompute>, model::backend::BackendError> {
                 unreachable!()
             }
             fn load_times(&self) -> model::backend::LoadTimes {

@@ -32,7 +32,14 @@ pub const DEFAULT_POOL_BYTES: usize = 512 << 20;
 
 impl Default for EngineSettings {
     fn default() -> Self {
-        EngineSettings { kv_capacity: 4096, ramp: None, left_context: None, talker_cpus: Vec::new(), vocoder_cpus: Vec::new(), pool_bytes: DEFAULT_POOL_BYTES }
+        EngineSettings {
+            kv_capacity: 4096,
+            ramp: None,
+            left_context: None,
+            talker_cpus: Vec::new(),
+            vocoder_cpus: Vec::new(),
+            pool_bytes: DEFAULT_POOL_BYTES,
+        }
     }
 }
 
@@ -58,7 +65,15 @@ pub struct Request {
 impl Request {
     /// A greedy, streaming-text request with automatic language and no speaker.
     pub fn new(text: impl Into<String>) -> Self {
-        Request { text: text.into(), language: None, speaker: None, mode: PromptMode::Streaming, seed: None, max_frames: None, force_eos_at: None }
+        Request {
+            text: text.into(),
+            language: None,
+            speaker: None,
+            mode: PromptMode::Streaming,
+            seed: None,
+            max_frames: None,
+            force_eos_at: None,
+        }
     }
 }
 
@@ -75,4 +90,3 @@ pub enum StopReason {
     /// spoken: the text is too long for the configured capacity.
     Capacity,
 }
-

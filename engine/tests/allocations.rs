@@ -16,14 +16,14 @@ use std::alloc::{GlobalAlloc, Layout, System};
 use std::cell::Cell;
 use std::sync::Arc;
 
-use model::sampler::{Sampler, SplitMix64};
-use engine::pool::{FramePool, Pooled};
 use engine::decoder::Decoder;
+use engine::pool::{FramePool, Pooled};
+use engine::tables::Embedding;
 use engine::vocoder::Vocoder;
 use engine::{Bundle, DEFAULT_POOL_BYTES};
-use model::ChunkSchedule;
-use engine::tables::Embedding;
 use engine::{Engine, EngineSettings, Request};
+use model::ChunkSchedule;
+use model::sampler::{Sampler, SplitMix64};
 use std::sync::atomic::AtomicBool;
 
 /// The heap: counts, per thread, the calls that reach the system allocator.
@@ -185,4 +185,3 @@ fn the_pipeline_reports_its_threads_off_the_heap() {
     assert_eq!(second.memory.decode_steady_frames, 58, "{:?}", second.memory);
     assert_eq!(second.memory.decode_steady_heap_allocations, 0, "{:?}", second.memory);
 }
-

@@ -16,8 +16,8 @@ use std::sync::{Arc, Mutex};
 use backend_tract::Tract;
 use engine::{Engine, EngineError, EngineSettings, Request};
 use model::backend::{
-    Backend, BackendError, KvStats, LoadTimes, LoadedGraphs, PinThread, StageCompute, StepError, StepOutput, StepSession,
-    StepSpec, VocoderError, VocoderSession,
+    Backend, BackendError, KvStats, LoadTimes, LoadedGraphs, PinThread, StageCompute, StepError, StepOutput, StepSession, StepSpec,
+    VocoderError, VocoderSession,
 };
 use model::frame::Frame;
 use model::manifest::Manifest;

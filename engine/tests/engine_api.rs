@@ -11,10 +11,10 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 
-use model::prompt::PromptError;
-use engine::decoder::{self as synth, Decoder};
 use engine::Bundle;
+use engine::decoder::{self as synth, Decoder};
 use engine::{Engine, EngineError, EngineSettings, Request, StopReason};
+use model::prompt::PromptError;
 
 fn engine(preset: &str) -> Engine {
     Engine::load(&common::bundle(preset), &Tract, &EngineSettings::default()).unwrap()
@@ -165,7 +165,11 @@ fn broken_bundles_are_refused_with_the_file_named() {
     let dir = broken_copy("shape-mismatch", |d| {
         let p = d.join("bundle.toml");
         let t = std::fs::read_to_string(&p).unwrap();
-        let t = t.replacen("name = \"cos\"\ndtype = \"float32\"\nshape = [\n    1,\n    \"seq\",\n    8,", "name = \"cos\"\ndtype = \"float32\"\nshape = [\n    1,\n    \"seq\",\n    9,", 1);
+        let t = t.replacen(
+            "name = \"cos\"\ndtype = \"float32\"\nshape = [\n    1,\n    \"seq\",\n    8,",
+            "name = \"cos\"\ndtype = \"float32\"\nshape = [\n    1,\n    \"seq\",\n    9,",
+            1,
+        );
         std::fs::write(&p, t).unwrap();
     });
     let err = Bundle::open(&dir, &Tract).unwrap_err();
@@ -173,7 +177,10 @@ fn broken_bundles_are_refused_with_the_file_named() {
     // a sliding window that contradicts the graph's ring size is refused before anything is sized
     let dir = broken_copy("window-mismatch", |d| {
         let p = d.join("bundle.toml");
-        let t = std::fs::read_to_string(&p).unwrap().replace("{ kind = \"full\" },\n]\n\n[code_predictor]", "{ kind = \"sliding\", window = 20000000 },\n]\n\n[code_predictor]");
+        let t = std::fs::read_to_string(&p).unwrap().replace(
+            "{ kind = \"full\" },\n]\n\n[code_predictor]",
+            "{ kind = \"sliding\", window = 20000000 },\n]\n\n[code_predictor]",
+        );
         std::fs::write(&p, t).unwrap();
     });
     let err = Bundle::open(&dir, &Tract).unwrap_err();

@@ -14,12 +14,12 @@ use std::process::Command;
 use std::sync::Arc;
 use std::sync::atomic::AtomicBool;
 
-use model::prompt::PromptMode;
+use engine::Bundle;
 use engine::decoder::{self as synth, Decoder};
 use engine::vocoder::{Vocoder, vocode_all};
-use engine::Bundle;
-use model::ChunkSchedule;
 use engine::{Engine, EngineSettings, Request};
+use model::ChunkSchedule;
+use model::prompt::PromptMode;
 
 /// Minimal .npy reader for the C-ordered little-endian arrays the reference writes.
 fn read_npy(path: &Path) -> (String, Vec<usize>, Vec<u8>) {
@@ -95,10 +95,23 @@ fn cases() -> Vec<Case> {
             });
         }
         let base = v.last().unwrap().clone();
-        v.push(Case { id: format!("{preset}-seeded"), text: "Seeded sampling, same draws.".into(), seed: Some(1234), language: Some("english"), ..base.clone() });
+        v.push(Case {
+            id: format!("{preset}-seeded"),
+            text: "Seeded sampling, same draws.".into(),
+            seed: Some(1234),
+            language: Some("english"),
+            ..base.clone()
+        });
         v.push(Case { id: format!("{preset}-eos3"), text: "Stop early.".into(), force_eos_at: Some(3), ..base.clone() });
         // short context: windows cut history, chunk edges inside the transformer window
-        v.push(Case { id: format!("{preset}-ctx5"), text: "Short context windows.".into(), max_frames: 17, ramp: Some(vec![1, 3]), left_context: Some(5), ..base });
+        v.push(Case {
+            id: format!("{preset}-ctx5"),
+            text: "Short context windows.".into(),
+            max_frames: 17,
+            ramp: Some(vec![1, 3]),
+            left_context: Some(5),
+            ..base
+        });
     }
     v
 }
@@ -152,7 +165,8 @@ fn codes_and_pcm_match_the_reference() {
     let mut worst = 0f32;
     for c in &cases {
         let b = bundles.entry(c.preset).or_insert_with(|| Arc::new(Bundle::open(&common::bundle(c.preset), &Tract).unwrap())).clone();
-        let meta: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(out.join(format!("{}.json", c.id))).unwrap()).unwrap();
+        let meta: serde_json::Value =
+            serde_json::from_str(&std::fs::read_to_string(out.join(format!("{}.json", c.id))).unwrap()).unwrap();
         assert!(meta.get("error").is_none(), "{}: reference rejected the case: {meta}", c.id);
         let (shape, want) = npy_i64(&out.join(format!("{}.codes.npy", c.id)));
         let mut dec = Decoder::new(b.clone(), &EngineSettings::default()).unwrap();

@@ -71,8 +71,7 @@ fn stages_run_on_their_cpus_and_the_audio_is_unchanged() {
     let wide = EngineSettings { talker_cpus: vec![t, v], vocoder_cpus: vec![v], ..EngineSettings::default() };
     if v == t + 1 {
         let (_, _, seen) = run(&wide, true);
-        let mm: Vec<&String> =
-            seen.iter().filter(|(name, _)| name.starts_with("herald-talker-m")).flat_map(|(_, c)| c).collect();
+        let mm: Vec<&String> = seen.iter().filter(|(name, _)| name.starts_with("herald-talker-m")).flat_map(|(_, c)| c).collect();
         assert_eq!(mm.len(), 2, "{seen:?}");
         assert!(mm.iter().all(|c| **c == both), "{seen:?}");
     }

@@ -104,13 +104,7 @@ fn run_oracle(bundle: &std::path::Path, requests: &[Request]) -> Vec<Expected> {
         .unwrap_or_else(|e| panic!("cannot run {}: {e}", python().display()));
     let mut input = String::new();
     for r in requests {
-        input.push_str(&format!(
-            "{} {} {} {}\n",
-            hex(&r.text),
-            r.language.unwrap_or("-"),
-            r.speaker.unwrap_or("-"),
-            r.mode
-        ));
+        input.push_str(&format!("{} {} {} {}\n", hex(&r.text), r.language.unwrap_or("-"), r.speaker.unwrap_or("-"), r.mode));
     }
     let mut stdin = child.stdin.take().unwrap();
     let writer = std::thread::spawn(move || stdin.write_all(input.as_bytes()));
@@ -228,10 +222,7 @@ fn layouts_match_the_reference() {
         };
         if !ok {
             let preview: String = r.text.chars().take(40).collect();
-            failures.push(format!(
-                "{preview:?} {:?} {:?} {}: rust {got:?}\n    python {want:?}",
-                r.language, r.speaker, r.mode
-            ));
+            failures.push(format!("{preview:?} {:?} {:?} {}: rust {got:?}\n    python {want:?}", r.language, r.speaker, r.mode));
         }
     }
     assert!(failures.is_empty(), "{} of {} mismatches:\n{}", failures.len(), requests.len(), failures.join("\n"));

@@ -430,16 +430,22 @@ impl Manifest {
             return Err("audio: sample_rate, samples_per_frame, codebook_size must be positive and num_codebooks >= 2".into());
         }
         let c = &self.codec;
-        for (k, v) in [("pad", c.pad), ("bos", c.bos), ("eos", c.eos), ("think", c.think), ("nothink", c.nothink),
-            ("think_bos", c.think_bos), ("think_eos", c.think_eos)]
-        {
+        for (k, v) in [
+            ("pad", c.pad),
+            ("bos", c.bos),
+            ("eos", c.eos),
+            ("think", c.think),
+            ("nothink", c.nothink),
+            ("think_bos", c.think_bos),
+            ("think_eos", c.think_eos),
+        ] {
             if v >= c.vocab_size {
                 return Err(format!("codec.{k} = {v} is outside the codec vocabulary 0..{}", c.vocab_size));
             }
         }
         let t = &self.text;
-        for (k, v) in [("im_start", t.im_start), ("im_end", t.im_end), ("tts_pad", t.tts_pad), ("tts_bos", t.tts_bos),
-            ("tts_eos", t.tts_eos)]
+        for (k, v) in
+            [("im_start", t.im_start), ("im_end", t.im_end), ("tts_pad", t.tts_pad), ("tts_bos", t.tts_bos), ("tts_eos", t.tts_eos)]
         {
             if v >= t.vocab_size {
                 return Err(format!("text.{k} = {v} is outside the text vocabulary 0..{}", t.vocab_size));
@@ -458,9 +464,14 @@ impl Manifest {
                 return Err(format!("{name}.cache lists {} layers, {name}.layers is {}", s.cache.len(), s.layers));
             }
             if s.kv_heads == 0 || s.heads % s.kv_heads != 0 || s.head_dim % 2 != 0 {
-                return Err(format!("{name}: heads {} must be a multiple of kv_heads {} and head_dim {} even", s.heads, s.kv_heads, s.head_dim));
+                return Err(format!(
+                    "{name}: heads {} must be a multiple of kv_heads {} and head_dim {} even",
+                    s.heads, s.kv_heads, s.head_dim
+                ));
             }
-            if let Some(CacheKind::Sliding { window }) = s.cache.iter().find(|k| matches!(k, CacheKind::Sliding { window } if *window < 2)) {
+            if let Some(CacheKind::Sliding { window }) =
+                s.cache.iter().find(|k| matches!(k, CacheKind::Sliding { window } if *window < 2))
+            {
                 return Err(format!("{name}.cache: sliding window {window} must be at least 2"));
             }
             if !self.graphs.contains_key(&s.graph) {

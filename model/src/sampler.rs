@@ -197,13 +197,7 @@ impl PredictorParams {
     /// `[sampling.code_predictor]` and `audio.codebook_size`.
     pub fn from_manifest(m: &Manifest) -> Self {
         let s = &m.sampling.code_predictor;
-        Self {
-            do_sample: s.do_sample,
-            temperature: s.temperature,
-            top_k: s.top_k,
-            top_p: s.top_p,
-            vocab: m.audio.codebook_size,
-        }
+        Self { do_sample: s.do_sample, temperature: s.temperature, top_k: s.top_k, top_p: s.top_p, vocab: m.audio.codebook_size }
     }
 }
 
@@ -347,12 +341,7 @@ impl Sampler {
     ///
     /// # Errors
     /// As [`Sampler::process_c0`], and [`SamplerError::NoCandidate`] when every id is removed.
-    pub fn choose_c0(
-        &mut self,
-        logits: &mut [f32],
-        history: &[u32],
-        rng: Option<&mut SplitMix64>,
-    ) -> Result<u32, SamplerError> {
+    pub fn choose_c0(&mut self, logits: &mut [f32], history: &[u32], rng: Option<&mut SplitMix64>) -> Result<u32, SamplerError> {
         let rng = rng.filter(|_| self.talker.do_sample);
         self.process_c0(logits, history, rng.is_some())?;
         self.choose(Stage::Talker, logits, rng)
@@ -757,10 +746,7 @@ mod tests {
         assert_eq!(s.choose_code(&mut all, None), Err(SamplerError::NoCandidate { stage: Stage::CodePredictor }));
         let mut all = [NEG; 4];
         let mut rng = SplitMix64::new(1);
-        assert_eq!(
-            s.choose_code(&mut all, Some(&mut rng)),
-            Err(SamplerError::NoCandidate { stage: Stage::CodePredictor })
-        );
+        assert_eq!(s.choose_code(&mut all, Some(&mut rng)), Err(SamplerError::NoCandidate { stage: Stage::CodePredictor }));
     }
 
     #[test]

@@ -100,8 +100,7 @@ impl Fifo {
             }
             Err(e) => return Err(io("", e)),
         };
-        let file =
-            std::fs::OpenOptions::new().read(true).write(true).custom_flags(OFlag::O_NONBLOCK.bits()).open(path);
+        let file = std::fs::OpenOptions::new().read(true).write(true).custom_flags(OFlag::O_NONBLOCK.bits()).open(path);
         match file {
             Ok(file) => Ok(Fifo { path: path.to_owned(), file, created }),
             Err(e) => {
@@ -277,10 +276,7 @@ pub fn serve(
             let text = match String::from_utf8(bytes) {
                 Ok(t) => t,
                 Err(e) => {
-                    log::error!(
-                        "line {number}: not valid UTF-8 (first bad byte at offset {}); skipped",
-                        e.utf8_error().valid_up_to()
-                    );
+                    log::error!("line {number}: not valid UTF-8 (first bad byte at offset {}); skipped", e.utf8_error().valid_up_to());
                     served.skipped += 1;
                     continue;
                 }

@@ -90,8 +90,8 @@ impl WavFile {
     /// # Errors
     /// [`SinkError::Io`] when the file cannot be created.
     pub fn create(path: &Path, shaper: ShaperSettings) -> Result<Self, SinkError> {
-        let file = AtomicFile::create(path)
-            .map_err(|source| SinkError::Io { target: path.display().to_string(), op: "create", source })?;
+        let file =
+            AtomicFile::create(path).map_err(|source| SinkError::Io { target: path.display().to_string(), op: "create", source })?;
         let wav = WavSink::create(file.path(), shaper)?;
         Ok(WavFile { wav, file: Some(file) })
     }
@@ -133,7 +133,8 @@ mod tests {
     }
 
     fn names(d: &Path) -> Vec<String> {
-        let mut v: Vec<String> = std::fs::read_dir(d).unwrap().map(|e| e.unwrap().file_name().to_string_lossy().into_owned()).collect();
+        let mut v: Vec<String> =
+            std::fs::read_dir(d).unwrap().map(|e| e.unwrap().file_name().to_string_lossy().into_owned()).collect();
         v.sort();
         v
     }

@@ -88,9 +88,7 @@ impl JobHandle {
         match self.done.recv_timeout(timeout) {
             Ok(o) => Some(o),
             Err(mpsc::RecvTimeoutError::Timeout) => None,
-            Err(mpsc::RecvTimeoutError::Disconnected) => {
-                Some(Err(JobError::Panicked("the speaker's worker thread ended".into())))
-            }
+            Err(mpsc::RecvTimeoutError::Disconnected) => Some(Err(JobError::Panicked("the speaker's worker thread ended".into()))),
         }
     }
 }

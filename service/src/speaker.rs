@@ -10,8 +10,8 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::Duration;
 
-use board::gpio::{AmpSink, LineAmplifier};
 use board::audio::{AudioSink, SinkError, SinkStats};
+use board::gpio::{AmpSink, LineAmplifier};
 use engine::prompt::{PromptError, PromptMode, Prompter};
 use engine::{Engine, EngineError, EngineSettings, Manifest, Report, Request};
 
@@ -95,8 +95,7 @@ pub fn check(prompter: &Prompter, request: &Request) -> Result<(), PromptError> 
 /// [`ServiceError::Tokenizer`] when the tokenizer cannot be loaded, [`ServiceError::Prompt`]
 /// for the request.
 pub fn check_in(dir: &Path, manifest: &Manifest, request: &Request) -> Result<(), ServiceError> {
-    let prompter =
-        engine::read_prompter(dir, manifest).map_err(|source| ServiceError::Tokenizer { dir: dir.to_owned(), source })?;
+    let prompter = engine::read_prompter(dir, manifest).map_err(|source| ServiceError::Tokenizer { dir: dir.to_owned(), source })?;
     check(&prompter, request).map_err(ServiceError::Prompt)
 }
 
@@ -388,7 +387,8 @@ impl Preparing {
     /// # Errors
     /// [`ServiceError::Bundle`], naming the directory.
     pub fn load(self, dir: &Path, settings: &EngineSettings) -> Result<Speaker, ServiceError> {
-        let engine = Engine::load(dir, &backend_tract::Tract, settings).map_err(|source| ServiceError::Bundle { dir: dir.to_owned(), source })?;
+        let engine = Engine::load(dir, &backend_tract::Tract, settings)
+            .map_err(|source| ServiceError::Bundle { dir: dir.to_owned(), source })?;
         Ok(Speaker { engine, amp: self.amp, settings: self.settings, stop: self.stop })
     }
 }

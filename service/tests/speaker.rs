@@ -90,9 +90,11 @@ fn a_failing_job_leaves_the_worker_speaking_and_the_stop_ends_everything() {
     // the stop cancels the running job and the waiting one, and refuses the next
     let started = Arc::new(AtomicUsize::new(0));
     let seen = Arc::clone(&started);
-    let running = q.submit(Job::new(long, null()).on_begin(move |_| {
-        seen.fetch_add(1, Ordering::SeqCst);
-    })).unwrap();
+    let running = q
+        .submit(Job::new(long, null()).on_begin(move |_| {
+            seen.fetch_add(1, Ordering::SeqCst);
+        }))
+        .unwrap();
     let waiting = q.submit(Job::new(fine.clone(), null())).unwrap();
     while started.load(Ordering::SeqCst) == 0 {
         std::thread::sleep(std::time::Duration::from_millis(5));

@@ -12,9 +12,9 @@ use std::io::Write;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU64, Ordering};
 
+use ::bench::{BenchConfig, BenchResult};
 use anyhow::Context;
 use clap::Args;
-use ::bench::{BenchConfig, BenchResult};
 
 use super::init_logging;
 use crate::exit::{self, Failure, fail};

@@ -78,8 +78,7 @@ fn measure(engine: &Engine, req: &Request) -> Result<engine::Report, Failure> {
 pub fn run(config: Option<&Path>, args: CalibrateArgs) -> Result<(), Failure> {
     let mut cfg = load_config(config)?;
     init_logging_from(&cfg);
-    cfg.apply_cli(&CliOverrides { bundle: args.bundle.clone(), ..CliOverrides::default() })
-        .map_err(|e| fail(exit::INPUT, e))?;
+    cfg.apply_cli(&CliOverrides { bundle: args.bundle.clone(), ..CliOverrides::default() }).map_err(|e| fail(exit::INPUT, e))?;
     calibrate(&cfg, &args)
 }
 
@@ -220,7 +219,11 @@ fn calibrate(cfg: &Config, args: &CalibrateArgs) -> Result<(), Failure> {
         let reference = timelines.first().cloned().unwrap_or_default();
         let lanes = [
             Lane { title: format!("default ramp {default_ramp:?}"), chunks: reference, frame_s: frame_ms / 1e3 },
-            Lane { title: format!("calibrated ramp {:?}", cal.schedule.ramp), chunks: calibrated.chunk_times, frame_s: frame_ms / 1e3 },
+            Lane {
+                title: format!("calibrated ramp {:?}", cal.schedule.ramp),
+                chunks: calibrated.chunk_times,
+                frame_s: frame_ms / 1e3,
+            },
         ];
         let p = &tuned.profile;
         let title = format!(
@@ -349,12 +352,8 @@ pub fn chart_svg(title: &str, lanes: &[Lane]) -> String {
             let _ = write!(pts, " {:.1},{:.1}", x(t), y(delivered));
             delivered += n as f64 * lane.frame_s;
             let _ = write!(pts, " {:.1},{:.1}", x(t), y(delivered));
-            let _ = writeln!(
-                s,
-                r##"<text x="{:.1}" y="{:.1}" fill="#1f5fbf" font-size="10">{n}</text>"##,
-                x(t) + 2.0,
-                y(delivered) - 3.0
-            );
+            let _ =
+                writeln!(s, r##"<text x="{:.1}" y="{:.1}" fill="#1f5fbf" font-size="10">{n}</text>"##, x(t) + 2.0, y(delivered) - 3.0);
         }
         let _ = write!(pts, " {:.1},{:.1}", x(t_max), y(delivered));
         let _ = writeln!(s, r##"<polyline points="{pts}" fill="none" stroke="#1f5fbf" stroke-width="2"/>"##);

@@ -31,7 +31,8 @@ fn print_info(dir: &Path, m: &engine::Manifest) -> std::io::Result<()> {
     let mut o = std::io::stdout().lock();
     writeln!(o, "bundle      {}", dir.display())?;
     writeln!(o, "model       {} {} {} ({}), from {}", m.model.family, m.model.size, m.model.kind, m.model.dtype, m.model.source)?;
-    writeln!(o, 
+    writeln!(
+        o,
         "audio       {} Hz, {} samples/frame ({} frames/s), {} codebooks x {}",
         m.audio.sample_rate,
         m.audio.samples_per_frame,
@@ -41,7 +42,8 @@ fn print_info(dir: &Path, m: &engine::Manifest) -> std::io::Result<()> {
     )?;
     for (name, s) in [("talker", &m.talker), ("predictor", &m.code_predictor)] {
         let sliding = s.cache.iter().filter(|c| matches!(c, engine::manifest::CacheKind::Sliding { .. })).count();
-        writeln!(o, 
+        writeln!(
+            o,
             "{name:<11} {} layers ({} sliding), hidden {}, {} q / {} kv heads x {}",
             s.layers, sliding, s.hidden, s.heads, s.kv_heads, s.head_dim
         )?;
@@ -60,7 +62,8 @@ fn print_info(dir: &Path, m: &engine::Manifest) -> std::io::Result<()> {
     let tables = std::fs::metadata(dir.join(&m.tables.file)).map(|md| md.len()).unwrap_or(0);
     let kv_per_pos = model::footprint::kv_bytes_per_position(&m.talker, m.dtype());
     writeln!(o, "tables      {:>9.1} MB (memory-mapped; only the rows a prompt uses become resident)", tables as f64 / 1e6)?;
-    writeln!(o, 
+    writeln!(
+        o,
         "memory      ~{:.1} MB of graph weights + {:.1} KiB KV cache per talker position",
         total as f64 / 1e6,
         kv_per_pos as f64 / 1024.0

@@ -16,9 +16,9 @@
 use std::path::{Path, PathBuf};
 use std::time::Instant;
 
+use service::Speaker;
 use service::fifo::{Fifo, FifoSettings, Served};
 use service::notify::{Heartbeat, Notifier, NotifyState, Watchdog};
-use service::Speaker;
 
 use super::{init_logging_from, load_config, rss_text};
 use crate::config::CliOverrides;
@@ -93,13 +93,10 @@ pub fn run(config: Option<&Path>, args: ServeArgs) -> Result<(), Failure> {
     let speaker = preparing.load(dir, &tuned.settings)?;
     // A language or speaker the bundle lacks would fail every line: refuse to start instead.
     speaker.check_voice().map_err(|e| fail(exit::INPUT, e))?;
-    let lines = FifoSettings {
-        voice,
-        out_dir: args.out_dir,
-        sample_rate: speaker.sample_rate(),
-        kv_capacity: cfg.synthesis.kv_capacity,
-    };
-    let queue = speaker.start(QUEUE_CAPACITY).map_err(|e| fail(exit::BUG, anyhow::Error::new(e).context("cannot start the speaker")))?;
+    let lines =
+        FifoSettings { voice, out_dir: args.out_dir, sample_rate: speaker.sample_rate(), kv_capacity: cfg.synthesis.kv_capacity };
+    let queue =
+        speaker.start(QUEUE_CAPACITY).map_err(|e| fail(exit::BUG, anyhow::Error::new(e).context("cannot start the speaker")))?;
     let ready = format!("ready; reading lines from {}", fifo.path().display());
     log::info!("{ready} (bundle {} loaded in {:.2} s, resident memory {})", dir.display(), t0.elapsed().as_secs_f64(), rss_text());
     notify(&[NotifyState::Ready, NotifyState::Status(&ready)]);

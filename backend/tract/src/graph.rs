@@ -91,17 +91,13 @@ pub(crate) fn load(dir: &Path, name: &str, info: &GraphInfo) -> Result<Graph, Gr
     let t0 = Instant::now();
     let path = dir.join(&info.file);
     let onnx = tract_onnx::onnx();
-    let mut proto = onnx
-        .proto_model_for_path(&path)
-        .map_err(|e| GraphError::Load { path: path.clone(), message: format!("{e:#}") })?;
+    let mut proto =
+        onnx.proto_model_for_path(&path).map_err(|e| GraphError::Load { path: path.clone(), message: format!("{e:#}") })?;
     let report = crate::sanitize::sanitize(&mut proto);
     if !report.is_unchanged() {
         log::info!("{}: sanitized: {report}", path.display());
     }
-    let graph = proto
-        .graph
-        .as_ref()
-        .ok_or_else(|| GraphError::Load { path: path.clone(), message: "model has no graph".into() })?;
+    let graph = proto.graph.as_ref().ok_or_else(|| GraphError::Load { path: path.clone(), message: "model has no graph".into() })?;
     let inits: std::collections::HashSet<&str> = graph.initializer.iter().map(|i| i.name.as_str()).collect();
     let inputs: Vec<&pb::ValueInfoProto> = graph.input.iter().filter(|i| !inits.contains(i.name.as_str())).collect();
     let outputs: Vec<&pb::ValueInfoProto> = graph.output.iter().collect();
@@ -113,7 +109,11 @@ pub(crate) fn load(dir: &Path, name: &str, info: &GraphInfo) -> Result<Graph, Gr
     let dir_str = dir.to_str();
     let parsed = onnx.parse(&proto, dir_str).map_err(tract_err)?;
     if !parsed.unresolved_inputs.is_empty() {
-        return Err(GraphError::Runtime { path: path.clone(), backend: "tract", message: format!("unresolved inputs {:?}", parsed.unresolved_inputs) });
+        return Err(GraphError::Runtime {
+            path: path.clone(),
+            backend: "tract",
+            message: format!("unresolved inputs {:?}", parsed.unresolved_inputs),
+        });
     }
     let plan = parsed.model.into_optimized().map_err(tract_err)?.into_runnable().map_err(tract_err)?;
     let load_seconds = t0.elapsed().as_secs_f64();

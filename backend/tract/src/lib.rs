@@ -16,8 +16,8 @@ pub mod vocoder;
 use std::path::Path;
 
 use model::backend::{
-    Backend, BackendError, LoadTimes, LoadedGraphs, PinThread, StackRole, StageCompute, StepError, StepSession, StepSpec, VocoderError,
-    VocoderSession,
+    Backend, BackendError, LoadTimes, LoadedGraphs, PinThread, StackRole, StageCompute, StepError, StepSession, StepSpec,
+    VocoderError, VocoderSession,
 };
 use model::manifest::Manifest;
 
@@ -34,10 +34,8 @@ impl Backend for Tract {
 
     fn load(&self, dir: &Path, manifest: &Manifest) -> Result<Box<dyn LoadedGraphs>, BackendError> {
         let g = |name: &str| -> Result<graph::Graph, BackendError> {
-            let info = manifest
-                .graphs
-                .get(name)
-                .ok_or_else(|| BackendError::Unsupported(format!("bundle.toml has no graph {name:?}")))?;
+            let info =
+                manifest.graphs.get(name).ok_or_else(|| BackendError::Unsupported(format!("bundle.toml has no graph {name:?}")))?;
             graph::load(dir, name, info)
         };
         let talker = g(&manifest.talker.graph)?;

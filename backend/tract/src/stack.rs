@@ -14,10 +14,10 @@
 
 use std::sync::Arc;
 
+use model::Dtype;
 use model::backend::{KvStats, StepError, StepOutput, StepSession};
 use model::kv::{Ring, Rope, fill_full_masks, slots_for};
 use model::manifest::{CacheKind, StackInfo};
-use model::Dtype;
 use tract_onnx::prelude::*;
 
 use crate::graph::Graph;
@@ -423,7 +423,10 @@ impl Stack {
             for (o, kind) in [(ko, "k"), (vo, "v")] {
                 let t = &outputs[o];
                 if t.shape() != want || t.datum_type() != self.dt {
-                    return Err(bad(format!("{kind}_new_{i}"), format!("is {:?} {:?}, expected {:?} {:?}", t.datum_type(), t.shape(), self.dt, want)));
+                    return Err(bad(
+                        format!("{kind}_new_{i}"),
+                        format!("is {:?} {:?}, expected {:?} {:?}", t.datum_type(), t.shape(), self.dt, want),
+                    ));
                 }
                 let finite = if self.dt == f16::datum_type() {
                     view::<f16>(t).map(|v| v.iter().all(|x| x.is_finite())).unwrap_or(false)

@@ -84,26 +84,13 @@ fn read_json(path: &Path) -> Value {
 }
 
 fn tensor_of(v: &Value) -> (Vec<usize>, Vec<f32>) {
-    let shape = v["shape"]
-        .as_array()
-        .expect("shape")
-        .iter()
-        .map(|d| d.as_u64().expect("dim") as usize)
-        .collect();
-    let data = v["data"]
-        .as_array()
-        .expect("data")
-        .iter()
-        .map(|x| x.as_f64().expect("float") as f32)
-        .collect();
+    let shape = v["shape"].as_array().expect("shape").iter().map(|d| d.as_u64().expect("dim") as usize).collect();
+    let data = v["data"].as_array().expect("data").iter().map(|x| x.as_f64().expect("float") as f32).collect();
     (shape, data)
 }
 
 fn load(path: &Path) -> TractResult<Arc<TypedRunnableModel>> {
-    tract_onnx::onnx()
-        .model_for_path(path)?
-        .into_optimized()?
-        .into_runnable()
+    tract_onnx::onnx().model_for_path(path)?.into_optimized()?.into_runnable()
 }
 
 /// Runs `path` in tract on the case's inputs; the largest difference to onnxruntime's outputs.
@@ -117,12 +104,7 @@ fn run_and_compare(path: &Path, case: &Value) -> TractResult<f32> {
     }
     let outputs = model.run(inputs)?;
     let expected = case["outputs"].as_array().expect("outputs");
-    tract_data::internal::ensure!(
-        outputs.len() == expected.len(),
-        "{} outputs, onnxruntime gave {}",
-        outputs.len(),
-        expected.len()
-    );
+    tract_data::internal::ensure!(outputs.len() == expected.len(), "{} outputs, onnxruntime gave {}", outputs.len(), expected.len());
     let mut worst = 0f32;
     for (got, want) in outputs.iter().zip(expected) {
         let (shape, data) = tensor_of(want);
@@ -181,18 +163,11 @@ fn const_rank(scopes: &[&pb::GraphProto], name: &str) -> Option<usize> {
 /// Structural findings in a model: (NaN guards, Reshapes with allowzero=1, rank-0 axes,
 /// value_info entries), over every graph.
 fn findings(model: &pb::ModelProto) -> (usize, usize, usize, usize) {
-    fn walk<'a>(
-        g: &'a pb::GraphProto,
-        scopes: &mut Vec<&'a pb::GraphProto>,
-        acc: &mut (usize, usize, usize, usize),
-    ) {
+    fn walk<'a>(g: &'a pb::GraphProto, scopes: &mut Vec<&'a pb::GraphProto>, acc: &mut (usize, usize, usize, usize)) {
         scopes.push(g);
         let producer = |name: &str| g.node.iter().find(|n| n.output.iter().any(|o| o == name));
         for n in &g.node {
-            let allowzero = n
-                .attribute
-                .iter()
-                .any(|a| a.name == "allowzero" && a.i != 0);
+            let allowzero = n.attribute.iter().any(|a| a.name == "allowzero" && a.i != 0);
             match n.op_type.as_str() {
                 "Where" => {
                     let mut cond = producer(&n.input[0]);
@@ -204,13 +179,7 @@ fn findings(model: &pb::ModelProto) -> (usize, usize, usize, usize) {
                     }
                 }
                 "Reshape" if allowzero => acc.1 += 1,
-                "Unsqueeze" | "Squeeze"
-                    if n.input
-                        .get(1)
-                        .is_some_and(|axes| const_rank(scopes, axes) == Some(0)) =>
-                {
-                    acc.2 += 1
-                }
+                "Unsqueeze" | "Squeeze" if n.input.get(1).is_some_and(|axes| const_rank(scopes, axes) == Some(0)) => acc.2 += 1,
                 _ => {}
             }
             for a in &n.attribute {
@@ -223,28 +192,17 @@ fn findings(model: &pb::ModelProto) -> (usize, usize, usize, usize) {
         scopes.pop();
     }
     let mut acc = (0, 0, 0, 0);
-    walk(
-        model.graph.as_ref().expect("graph"),
-        &mut Vec::new(),
-        &mut acc,
-    );
+    walk(model.graph.as_ref().expect("graph"), &mut Vec::new(), &mut acc);
     acc
 }
 
 fn io_names(model: &pb::ModelProto) -> (Vec<String>, Vec<String>) {
     let g = model.graph.as_ref().expect("graph");
-    (
-        g.input.iter().map(|i| i.name.clone()).collect(),
-        g.output.iter().map(|o| o.name.clone()).collect(),
-    )
+    (g.input.iter().map(|i| i.name.clone()).collect(), g.output.iter().map(|o| o.name.clone()).collect())
 }
 
 fn assert_counts(name: &str, report: &SanitizeReport, expect: &Value) {
-    let count = |k: &str| {
-        expect[k]
-            .as_u64()
-            .unwrap_or_else(|| panic!("{name}: no expected {k}")) as usize
-    };
+    let count = |k: &str| expect[k].as_u64().unwrap_or_else(|| panic!("{name}: no expected {k}")) as usize;
     let got = [
         ("nan_guards_removed", report.nan_guards_removed),
         ("nan_guards_kept", report.nan_guards_kept),
@@ -265,9 +223,7 @@ fn check_case(name: &str) -> PathBuf {
     let original = dir.join(case["model"].as_str().expect("model"));
 
     match run_and_compare(&original, &case) {
-        Ok(diff) => println!(
-            "[{name}] tract on the original: loads and runs, max |diff| vs onnxruntime {diff:e}"
-        ),
+        Ok(diff) => println!("[{name}] tract on the original: loads and runs, max |diff| vs onnxruntime {diff:e}"),
         Err(e) => {
             println!("[{name}] tract on the original: FAILS: {e:#}");
             // What tract's own switch for stale value_info does with it.
@@ -291,46 +247,28 @@ fn check_case(name: &str) -> PathBuf {
 
     let before = decode(&original);
     let after = decode(&sanitized);
-    assert_eq!(
-        io_names(&before),
-        io_names(&after),
-        "{name}: graph inputs/outputs renamed"
-    );
+    assert_eq!(io_names(&before), io_names(&after), "{name}: graph inputs/outputs renamed");
     let (guards, allowzero, scalar_axes, value_info) = findings(&after);
-    assert_eq!(
-        guards, report.nan_guards_kept,
-        "{name}: IsNaN→Where pairs left"
-    );
+    assert_eq!(guards, report.nan_guards_kept, "{name}: IsNaN→Where pairs left");
     assert_eq!(allowzero, report.allowzero_kept, "{name}: allowzero=1 left");
     assert_eq!(scalar_axes, 0, "{name}: rank-0 axes left");
     assert_eq!(value_info, 0, "{name}: value_info left");
-    let isnan_left = all_graphs(after.graph.as_ref().expect("graph"))
-        .iter()
-        .flat_map(|g| &g.node)
-        .filter(|n| n.op_type == "IsNaN")
-        .count();
+    let isnan_left =
+        all_graphs(after.graph.as_ref().expect("graph")).iter().flat_map(|g| &g.node).filter(|n| n.op_type == "IsNaN").count();
     assert_eq!(isnan_left, 0, "{name}: IsNaN nodes left");
 
     for file in case["external_data"].as_array().expect("external_data") {
         let file = file.as_str().expect("location");
         let (a, b) = (dir.join(file), out_dir.join(file));
-        let (a, b) = (
-            fs::read(&a).expect("original external data"),
-            fs::read(&b).expect("copied external data"),
-        );
+        let (a, b) = (fs::read(&a).expect("original external data"), fs::read(&b).expect("copied external data"));
         assert_eq!(a, b, "{name}: external data {file} copied unchanged");
     }
 
     // The reference tooling accepts the result too: full onnx.checker, same onnxruntime outputs.
-    let checked = crafted(&[
-        "--check".as_ref(),
-        sanitized.as_os_str(),
-        dir.join(format!("{name}.json")).as_os_str(),
-    ]);
+    let checked = crafted(&["--check".as_ref(), sanitized.as_os_str(), dir.join(format!("{name}.json")).as_os_str()]);
     println!("[{name}] {}", checked.trim());
 
-    let diff = run_and_compare(&sanitized, &case)
-        .unwrap_or_else(|e| panic!("{name}: tract on the sanitized graph: {e:#}"));
+    let diff = run_and_compare(&sanitized, &case).unwrap_or_else(|e| panic!("{name}: tract on the sanitized graph: {e:#}"));
     println!("[{name}] tract on the sanitized graph: max |diff| vs onnxruntime {diff:e}");
     assert!(diff <= TOLERANCE, "{name}: max |diff| {diff} > {TOLERANCE}");
     sanitized
@@ -372,10 +310,7 @@ fn sanitizing_twice_changes_nothing() {
     let second = first.with_file_name("all_patterns.again.onnx");
     let report = sanitize_file(&first, &second).expect("sanitize again");
     assert!(report.is_unchanged(), "{report}");
-    assert_eq!(
-        fs::read(&first).expect("first"),
-        fs::read(&second).expect("second")
-    );
+    assert_eq!(fs::read(&first).expect("first"), fs::read(&second).expect("second"));
 }
 
 #[test]
@@ -391,8 +326,7 @@ fn external_data_in_place_and_next_to_an_identical_copy() {
     let out = dir.join("ext-identical");
     fs::create_dir_all(&out).expect("mkdir");
     fs::copy(dir.join("weights.bin"), out.join("weights.bin")).expect("copy");
-    sanitize_file(&dir.join("external_data.onnx"), &out.join("m.onnx"))
-        .expect("identical copy present");
+    sanitize_file(&dir.join("external_data.onnx"), &out.join("m.onnx")).expect("identical copy present");
     assert!(run_and_compare(&out.join("m.onnx"), &case).expect("run") <= TOLERANCE);
 }
 
@@ -402,26 +336,11 @@ fn external_data_conflict_is_refused() {
     let out = dir.join("ext-conflict");
     fs::create_dir_all(&out).expect("mkdir");
     fs::write(out.join("weights.bin"), b"some other weights").expect("write");
-    let err =
-        sanitize_file(&dir.join("external_data.onnx"), &out.join("m.onnx")).expect_err("conflict");
-    assert!(
-        matches!(err, SanitizeError::ExternalConflict { .. }),
-        "{err:?}"
-    );
-    assert!(
-        err.to_string()
-            .contains(&out.join("weights.bin").display().to_string()),
-        "{err}"
-    );
-    assert!(
-        !out.join("m.onnx").exists(),
-        "no model written next to a conflicting file"
-    );
-    assert_eq!(
-        fs::read(out.join("weights.bin")).expect("read"),
-        b"some other weights",
-        "untouched"
-    );
+    let err = sanitize_file(&dir.join("external_data.onnx"), &out.join("m.onnx")).expect_err("conflict");
+    assert!(matches!(err, SanitizeError::ExternalConflict { .. }), "{err:?}");
+    assert!(err.to_string().contains(&out.join("weights.bin").display().to_string()), "{err}");
+    assert!(!out.join("m.onnx").exists(), "no model written next to a conflicting file");
+    assert_eq!(fs::read(out.join("weights.bin")).expect("read"), b"some other weights", "untouched");
 }
 
 fn bad_dir() -> PathBuf {
@@ -434,10 +353,7 @@ fn bad_dir() -> PathBuf {
 fn missing_input_is_a_read_error_naming_the_file() {
     let input = bad_dir().join("does-not-exist.onnx");
     let err = sanitize_file(&input, &bad_dir().join("out.onnx")).expect_err("missing");
-    assert!(
-        matches!(&err, SanitizeError::Read { path, .. } if path == &input),
-        "{err:?}"
-    );
+    assert!(matches!(&err, SanitizeError::Read { path, .. } if path == &input), "{err:?}");
     assert!(err.to_string().contains("does-not-exist.onnx"), "{err}");
 }
 
@@ -446,10 +362,7 @@ fn directory_input_is_a_read_error_naming_it() {
     let input = bad_dir().join("a-directory.onnx");
     fs::create_dir_all(&input).expect("mkdir");
     let err = sanitize_file(&input, &bad_dir().join("out-dir.onnx")).expect_err("directory");
-    assert!(
-        matches!(&err, SanitizeError::Read { path, .. } if path == &input),
-        "{err:?}"
-    );
+    assert!(matches!(&err, SanitizeError::Read { path, .. } if path == &input), "{err:?}");
     assert!(err.to_string().contains("a-directory.onnx"), "{err}");
 }
 
@@ -457,12 +370,7 @@ fn directory_input_is_a_read_error_naming_it() {
 fn garbage_input_is_not_onnx() {
     let cases: [(&str, &[u8]); 3] = [
         ("text.onnx", b"this is not an onnx model\n"),
-        (
-            "binary.onnx",
-            &[
-                0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0x01, 0x02,
-            ],
-        ),
+        ("binary.onnx", &[0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0x01, 0x02]),
         ("empty.onnx", b""),
     ];
     for (file, bytes) in cases {
@@ -470,10 +378,7 @@ fn garbage_input_is_not_onnx() {
         fs::write(&input, bytes).expect("write");
         let output = bad_dir().join(format!("out-{file}"));
         let err = sanitize_file(&input, &output).expect_err(file);
-        assert!(
-            matches!(&err, SanitizeError::NotOnnx { path, .. } if path == &input),
-            "{file}: {err:?}"
-        );
+        assert!(matches!(&err, SanitizeError::NotOnnx { path, .. } if path == &input), "{file}: {err:?}");
         assert!(err.to_string().contains(file), "{err}");
         assert!(!output.exists(), "{file}: nothing written");
     }
@@ -484,10 +389,7 @@ fn unwritable_output_is_a_write_error_naming_it() {
     let dir = crafted_dir();
     let output = bad_dir().join("no-such-dir/out.onnx");
     let err = sanitize_file(&dir.join("nan_guard.onnx"), &output).expect_err("no directory");
-    assert!(
-        matches!(&err, SanitizeError::Write { path, .. } if path == &output),
-        "{err:?}"
-    );
+    assert!(matches!(&err, SanitizeError::Write { path, .. } if path == &output), "{err:?}");
     assert!(err.to_string().contains("no-such-dir"), "{err}");
 
     let err = sanitize_file(&dir.join("nan_guard.onnx"), &bad_dir()).expect_err("a directory");
@@ -507,20 +409,13 @@ fn dynamic_shapes() {
 
 /// A model whose one initializer lives in the external file `location`.
 fn external_model(location: &str) -> Vec<u8> {
-    let entry = |k: &str, v: &str| pb::StringStringEntryProto {
-        key: k.to_string(),
-        value: v.to_string(),
-    };
+    let entry = |k: &str, v: &str| pb::StringStringEntryProto { key: k.to_string(), value: v.to_string() };
     let w = pb::TensorProto {
         name: "w".to_string(),
         dims: vec![2],
         data_type: pb::tensor_proto::DataType::Float as i32,
         data_location: Some(pb::tensor_proto::DataLocation::External as i32),
-        external_data: vec![
-            entry("location", location),
-            entry("offset", "0"),
-            entry("length", "8"),
-        ],
+        external_data: vec![entry("location", location), entry("offset", "0"), entry("length", "8")],
         ..Default::default()
     };
     let graph = pb::GraphProto {
@@ -532,18 +427,12 @@ fn external_model(location: &str) -> Vec<u8> {
             ..Default::default()
         }],
         initializer: vec![w],
-        output: vec![pb::ValueInfoProto {
-            name: "y".to_string(),
-            ..Default::default()
-        }],
+        output: vec![pb::ValueInfoProto { name: "y".to_string(), ..Default::default() }],
         ..Default::default()
     };
     let model = pb::ModelProto {
         ir_version: 8,
-        opset_import: vec![pb::OperatorSetIdProto {
-            domain: String::new(),
-            version: 17,
-        }],
+        opset_import: vec![pb::OperatorSetIdProto { domain: String::new(), version: 17 }],
         graph: Some(graph),
         ..Default::default()
     };
@@ -558,20 +447,10 @@ fn external_data_in_a_subdirectory_is_copied_there() {
     fs::write(root.join("in/m.onnx"), external_model("sub/w.bin")).expect("write");
     fs::write(root.join("in/sub/w.bin"), 1.5f32.to_le_bytes().repeat(2)).expect("write");
     sanitize_file(&root.join("in/m.onnx"), &root.join("out/m.onnx")).expect("sanitize");
-    assert_eq!(
-        fs::read(root.join("out/sub/w.bin")).expect("copied"),
-        fs::read(root.join("in/sub/w.bin")).expect("original")
-    );
+    assert_eq!(fs::read(root.join("out/sub/w.bin")).expect("copied"), fs::read(root.join("in/sub/w.bin")).expect("original"));
     let model = load(&root.join("out/m.onnx")).expect("tract loads the copy");
     let y = model.run(tvec![]).expect("run");
-    assert_eq!(
-        y[0].to_plain_array_view::<f32>()
-            .expect("f32")
-            .iter()
-            .copied()
-            .collect::<Vec<_>>(),
-        [1.5, 1.5]
-    );
+    assert_eq!(y[0].to_plain_array_view::<f32>().expect("f32").iter().copied().collect::<Vec<_>>(), [1.5, 1.5]);
 }
 
 #[test]
@@ -584,19 +463,13 @@ fn external_data_outside_the_model_directory_or_missing_is_refused() {
         let input = root.join("in/m.onnx");
         fs::write(&input, external_model(location)).expect("write");
         let err = sanitize_file(&input, &root.join("out/m.onnx")).expect_err(what);
-        assert!(
-            matches!(&err, SanitizeError::ExternalLocation { location: l, .. } if l == location),
-            "{what}: {err:?}"
-        );
+        assert!(matches!(&err, SanitizeError::ExternalLocation { location: l, .. } if l == location), "{what}: {err:?}");
         assert!(err.to_string().contains(location), "{err}");
     }
     let input = root.join("in/missing.onnx");
     fs::write(&input, external_model("nowhere.bin")).expect("write");
     let err = sanitize_file(&input, &root.join("out/m.onnx")).expect_err("missing");
-    assert!(
-        matches!(&err, SanitizeError::ExternalRead { .. }),
-        "{err:?}"
-    );
+    assert!(matches!(&err, SanitizeError::ExternalRead { .. }), "{err:?}");
     assert!(err.to_string().contains("nowhere.bin"), "{err}");
     assert!(!root.join("out/m.onnx").exists());
 }

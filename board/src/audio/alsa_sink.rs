@@ -211,8 +211,7 @@ impl AlsaSink {
         {
             let hwp = HwParams::any(&pcm).map_err(|e| self.err("snd_pcm_hw_params_any", e))?;
             hwp.set_rate_resample(s.alsa_resample).map_err(|e| self.err("snd_pcm_hw_params_set_rate_resample", e))?;
-            hwp.set_access(Access::RWInterleaved)
-                .map_err(|e| self.unsupported("interleaved read/write access".into(), e))?;
+            hwp.set_access(Access::RWInterleaved).map_err(|e| self.unsupported("interleaved read/write access".into(), e))?;
             let mut order = vec![s.format];
             for f in [SampleFormat::S16, SampleFormat::F32, SampleFormat::S32] {
                 if !order.contains(&f) {
@@ -237,8 +236,7 @@ impl AlsaSink {
             if hwp.set_channels(1).is_err() {
                 hwp.set_channels_near(2).map_err(|e| self.unsupported("any channel count".into(), e))?;
             }
-            hwp.set_rate_near(rate, ValueOr::Nearest)
-                .map_err(|e| self.unsupported(format!("a sample rate near {rate} Hz"), e))?;
+            hwp.set_rate_near(rate, ValueOr::Nearest).map_err(|e| self.unsupported(format!("a sample rate near {rate} Hz"), e))?;
             let granted_rate = hwp.get_rate().map_err(|e| self.err("snd_pcm_hw_params_get_rate", e))?;
             let period = (u64::from(granted_rate) * u64::from(s.period_ms.max(1)) / 1000).max(16) as alsa::pcm::Frames;
             let periods = s.periods.max(2) as alsa::pcm::Frames;
@@ -268,8 +266,7 @@ impl AlsaSink {
         {
             let swp = pcm.sw_params_current().map_err(|e| self.err("snd_pcm_sw_params_current", e))?;
             let start = (u64::from(period) * u64::from(s.start_periods.max(1))).min(u64::from(buffer));
-            swp.set_start_threshold(start as alsa::pcm::Frames)
-                .map_err(|e| self.err("snd_pcm_sw_params_set_start_threshold", e))?;
+            swp.set_start_threshold(start as alsa::pcm::Frames).map_err(|e| self.err("snd_pcm_sw_params_set_start_threshold", e))?;
             swp.set_avail_min(period as alsa::pcm::Frames).map_err(|e| self.err("snd_pcm_sw_params_set_avail_min", e))?;
             pcm.sw_params(&swp).map_err(|e| self.err("snd_pcm_sw_params", e))?;
         }
@@ -489,10 +486,7 @@ fn wait_for_room(
     last_progress: Instant,
 ) -> Result<Option<(&'static str, alsa::Error)>, SinkError> {
     if last_progress.elapsed() > settings.stall_timeout {
-        return Err(SinkError::Stalled {
-            device: settings.device.clone(),
-            waited_ms: last_progress.elapsed().as_millis() as u64,
-        });
+        return Err(SinkError::Stalled { device: settings.device.clone(), waited_ms: last_progress.elapsed().as_millis() as u64 });
     }
     match open.pcm.wait(Some(wait_ms)) {
         Ok(_) => Ok(None),
@@ -595,10 +589,7 @@ mod tests {
     #[test]
     fn bad_device_names_are_config_errors() {
         for name in ["", "a\0b"] {
-            let mut sink = AlsaSink::new(
-                AlsaSettings { device: name.into(), ..AlsaSettings::default() },
-                ShaperSettings::default(),
-            );
+            let mut sink = AlsaSink::new(AlsaSettings { device: name.into(), ..AlsaSettings::default() }, ShaperSettings::default());
             assert!(matches!(sink.begin(24000), Err(SinkError::Config(_))));
         }
     }

@@ -72,17 +72,13 @@ impl WavSink {
             return Ok(Self::stdout(shaper));
         }
         let target = path.display().to_string();
-        let file = OpenOptions::new()
-            .write(true)
-            .create(true)
-            .truncate(true)
-            .open(path)
-            .map_err(|source| SinkError::Io { target: target.clone(), op: "create", source })?;
-        let regular = file
-            .metadata()
-            .map_err(|source| SinkError::Io { target: target.clone(), op: "stat", source })?
-            .file_type()
-            .is_file();
+        let file = OpenOptions::new().write(true).create(true).truncate(true).open(path).map_err(|source| SinkError::Io {
+            target: target.clone(),
+            op: "create",
+            source,
+        })?;
+        let regular =
+            file.metadata().map_err(|source| SinkError::Io { target: target.clone(), op: "stat", source })?.file_type().is_file();
         let out = if regular {
             WavOut::Pending(BufWriter::new(file))
         } else {
@@ -154,20 +150,17 @@ impl AudioSink for WavSink {
         let target = &self.target;
         match std::mem::replace(&mut self.out, WavOut::Closed) {
             WavOut::Pending(f) => {
-                let spec = hound::WavSpec {
-                    channels: 1,
-                    sample_rate,
-                    bits_per_sample: 16,
-                    sample_format: hound::SampleFormat::Int,
-                };
-                let w = hound::WavWriter::new(f, spec)
-                    .map_err(|source| SinkError::Wav { target: target.clone(), source })?;
+                let spec = hound::WavSpec { channels: 1, sample_rate, bits_per_sample: 16, sample_format: hound::SampleFormat::Int };
+                let w = hound::WavWriter::new(f, spec).map_err(|source| SinkError::Wav { target: target.clone(), source })?;
                 self.out = WavOut::File(w);
             }
             WavOut::Stream { mut w, header_written } => {
                 if !header_written {
-                    w.write_all(&streaming_wav_header(sample_rate))
-                        .map_err(|source| SinkError::Io { target: target.clone(), op: "write header", source })?;
+                    w.write_all(&streaming_wav_header(sample_rate)).map_err(|source| SinkError::Io {
+                        target: target.clone(),
+                        op: "write header",
+                        source,
+                    })?;
                 }
                 self.out = WavOut::Stream { w, header_written: true };
             }
@@ -189,9 +182,7 @@ impl AudioSink for WavSink {
         let target = &self.target;
         match &mut self.out {
             WavOut::File(w) => w.flush().map_err(|source| SinkError::Wav { target: target.clone(), source })?,
-            WavOut::Stream { w, .. } => {
-                w.flush().map_err(|source| SinkError::Io { target: target.clone(), op: "flush", source })?
-            }
+            WavOut::Stream { w, .. } => w.flush().map_err(|source| SinkError::Io { target: target.clone(), op: "flush", source })?,
             WavOut::Pending(_) | WavOut::Closed => {}
         }
         Ok(self.stage.stats(SampleFormat::S16))
@@ -333,9 +324,8 @@ mod tests {
     fn streaming_header_bytes() {
         let h = streaming_wav_header(24000);
         let expect: [u8; 44] = [
-            b'R', b'I', b'F', b'F', 0xff, 0xff, 0xff, 0xff, b'W', b'A', b'V', b'E', b'f', b'm', b't', b' ', 16, 0,
-            0, 0, 1, 0, 1, 0, 0xc0, 0x5d, 0, 0, 0x80, 0xbb, 0, 0, 2, 0, 16, 0, b'd', b'a', b't', b'a', 0xff, 0xff,
-            0xff, 0xff,
+            b'R', b'I', b'F', b'F', 0xff, 0xff, 0xff, 0xff, b'W', b'A', b'V', b'E', b'f', b'm', b't', b' ', 16, 0, 0, 0, 1, 0, 1, 0,
+            0xc0, 0x5d, 0, 0, 0x80, 0xbb, 0, 0, 2, 0, 16, 0, b'd', b'a', b't', b'a', 0xff, 0xff, 0xff, 0xff,
         ];
         assert_eq!(h, expect);
     }
@@ -426,8 +416,7 @@ mod tests {
         let stats = play(&mut sink, 24000, &x);
         let got = buf.0.lock().unwrap().clone();
         // ×2 then clamp: 0, 0.5, -0.5, 1 (clamped), -1 (clamped), NaN → 0.
-        let expect: Vec<u8> =
-            [0i16, 16384, -16384, 32767, -32767, 0].iter().flat_map(|s| s.to_le_bytes()).collect();
+        let expect: Vec<u8> = [0i16, 16384, -16384, 32767, -32767, 0].iter().flat_map(|s| s.to_le_bytes()).collect();
         assert_eq!(got, expect);
         assert!(!got.windows(4).any(|w| w == b"RIFF"));
         assert_eq!((stats.frames_written, stats.channels, stats.device_rate), (6, 1, 24000));

@@ -136,9 +136,7 @@ pub enum SinkErrorKind {
 #[derive(Debug, thiserror::Error)]
 pub enum SinkError {
     /// The PCM is held by someone else (EBUSY) and stayed so through every retry.
-    #[error(
-        "audio device '{device}' is busy (held by another process?) after {attempts} attempts over {waited_ms} ms"
-    )]
+    #[error("audio device '{device}' is busy (held by another process?) after {attempts} attempts over {waited_ms} ms")]
     Busy {
         /// PCM name as given.
         device: String,
@@ -315,11 +313,7 @@ mod tests {
         fn send(&mut self) -> Result<(), SinkError> {
             use std::io::Write;
             crate::pcm::f32_to_s16le(self.stage.shaped(), &mut self.bytes);
-            self.peer.write_all(&self.bytes).map_err(|source| SinkError::Io {
-                target: "socket client".into(),
-                op: "send",
-                source,
-            })
+            self.peer.write_all(&self.bytes).map_err(|source| SinkError::Io { target: "socket client".into(), op: "send", source })
         }
     }
 

@@ -124,8 +124,7 @@ impl StreamResampler {
         let input = InterleavedSlice::new(&self.chunk[..], 1, n_in).map_err(|e| err(e.to_string()))?;
         let mut output = InterleavedSlice::new_mut(&mut self.scratch[..], 1, n_out).map_err(|e| err(e.to_string()))?;
         let indexing = Indexing { partial_len: partial, ..Indexing::default() };
-        let (_, produced) =
-            self.inner.process_into_buffer(&input, &mut output, Some(&indexing)).map_err(|e| err(e.to_string()))?;
+        let (_, produced) = self.inner.process_into_buffer(&input, &mut output, Some(&indexing)).map_err(|e| err(e.to_string()))?;
         let mut ready = &self.scratch[..produced];
         let trim = self.to_trim.min(ready.len());
         self.to_trim -= trim;

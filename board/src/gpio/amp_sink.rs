@@ -267,10 +267,7 @@ mod tests {
         let mut sink = AmpSink::new(inner, a);
         let err = sink.begin(24_000).unwrap_err();
         assert_eq!(err.kind(), SinkErrorKind::Config);
-        assert_eq!(
-            events(&log),
-            [Event::Pin(State::High), Event::Sleep(LEAD), Event::Begin(24_000), Event::Pin(State::Low)]
-        );
+        assert_eq!(events(&log), [Event::Pin(State::High), Event::Sleep(LEAD), Event::Begin(24_000), Event::Pin(State::Low)]);
         drop(sink);
         mock.done();
     }

@@ -39,14 +39,7 @@ where
     /// `active_low`, by the high level otherwise, and needs `lead` between enable and the first
     /// sample. Waits with [`std::thread::sleep`]; see [`with_sleeper`](Self::with_sleeper).
     pub fn new(pin: P, active_low: bool, lead: Duration) -> Self {
-        Self {
-            pin,
-            active_low,
-            lead,
-            sleep: Box::new(std::thread::sleep),
-            enabled: false,
-            name: "amplifier line".to_owned(),
-        }
+        Self { pin, active_low, lead, sleep: Box::new(std::thread::sleep), enabled: false, name: "amplifier line".to_owned() }
     }
 
     /// Replace the function that waits the lead time (called once per enable, only when the lead
@@ -178,5 +171,4 @@ mod tests {
         drop(a);
         mock.done();
     }
-
 }

@@ -55,9 +55,7 @@ pub fn open_line_in(
     let request_err = |op, source: gpio_cdev::Error, path: &Path| {
         let hint = match errno_of(&source) {
             Some(libc::EACCES | libc::EPERM) => "; add herald's user to group gpio",
-            Some(libc::ENOTTY | libc::EINVAL) => {
-                "; the kernel may lack GPIO character-device uAPI v1 (CONFIG_GPIO_CDEV_V1)"
-            }
+            Some(libc::ENOTTY | libc::EINVAL) => "; the kernel may lack GPIO character-device uAPI v1 (CONFIG_GPIO_CDEV_V1)",
             _ => "",
         };
         AmpError::Request { label: chip_label.to_owned(), path: path.to_path_buf(), line, op, source, hint }
@@ -87,8 +85,7 @@ pub fn open_line_in(
         if active_low { "low" } else { "high" },
         lead.as_millis()
     );
-    Ok(Amplifier::new(pin, active_low, lead)
-        .with_name(format!("line {line} of GPIO chip '{chip_label}' ({})", path.display())))
+    Ok(Amplifier::new(pin, active_low, lead).with_name(format!("line {line} of GPIO chip '{chip_label}' ({})", path.display())))
 }
 
 /// Find the GPIO chip labelled `label` among the entries of `dir` named `gpiochip*`, in

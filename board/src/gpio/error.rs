@@ -116,11 +116,7 @@ pub enum AmpError {
 }
 
 fn list_or_none(items: &[String]) -> String {
-    if items.is_empty() {
-        "none".to_owned()
-    } else {
-        items.iter().map(|s| format!("'{s}'")).collect::<Vec<_>>().join(", ")
-    }
+    if items.is_empty() { "none".to_owned() } else { items.iter().map(|s| format!("'{s}'")).collect::<Vec<_>>().join(", ") }
 }
 
 fn unreadable_note(items: &[String]) -> String {
@@ -162,12 +158,7 @@ mod tests {
             "amplifier GPIO: chip 'pinctrl-rp1' (/dev/gpiochip0) has no line 60: it has 54 lines (offsets 0..54)"
         );
         assert_eq!(e.kind(), SinkErrorKind::NotFound);
-        let e = AmpError::Busy {
-            label: "pinctrl-rp1".into(),
-            path: "/dev/gpiochip0".into(),
-            line: 17,
-            consumer: "gpioset".into(),
-        };
+        let e = AmpError::Busy { label: "pinctrl-rp1".into(), path: "/dev/gpiochip0".into(), line: 17, consumer: "gpioset".into() };
         assert!(e.to_string().contains("line 17 of chip 'pinctrl-rp1' (/dev/gpiochip0) is busy: in use by 'gpioset'"));
         assert_eq!(e.kind(), SinkErrorKind::Busy);
         let e = AmpError::ChipAccess {

@@ -1,6 +1,5 @@
 //! Pass 2: `Reshape(allowzero=1)` with a constant shape without a literal 0 becomes `allowzero=0`.
 
-
 use tract_onnx::pb;
 
 use super::SanitizeReport;
@@ -13,18 +12,10 @@ pub(super) fn clear_allowzero(graph: &mut pb::GraphProto, outer: &Consts, report
         if !is_op(node, "Reshape") {
             continue;
         }
-        let Some(a) = node
-            .attribute
-            .iter()
-            .position(|a| a.name == "allowzero" && a.i != 0)
-        else {
+        let Some(a) = node.attribute.iter().position(|a| a.name == "allowzero" && a.i != 0) else {
             continue;
         };
-        let shape = node
-            .input
-            .get(1)
-            .and_then(|s| lookup_const(graph, outer, s))
-            .and_then(|t| int_values(&t));
+        let shape = node.input.get(1).and_then(|s| lookup_const(graph, outer, s)).and_then(|t| int_values(&t));
         match shape {
             Some(values) if !values.contains(&0) => {
                 graph.node[n].attribute.remove(a);

@@ -3,14 +3,14 @@
 use std::collections::BTreeSet;
 use std::fs;
 use std::io::{self, Read, Write};
-use std::path::{Component, Path};
 use std::os::unix::fs::PermissionsExt;
+use std::path::{Component, Path};
 
 use prost::Message;
 use tract_onnx::pb;
 
-use super::{SanitizeError, SanitizeReport};
 use super::proto::*;
+use super::{SanitizeError, SanitizeReport};
 
 /// Reads the ONNX model at `input`, sanitizes it and writes it to `output` atomically (a
 /// temporary file in the output's directory, fsync, rename).
@@ -20,22 +20,13 @@ use super::proto::*;
 /// the same relative location) unless an identical file is already there; a different file of the
 /// same name is an error. `input == output` sanitizes in place.
 pub fn sanitize_file(input: &Path, output: &Path) -> Result<SanitizeReport, SanitizeError> {
-    let bytes = fs::read(input).map_err(|source| SanitizeError::Read {
-        path: input.to_path_buf(),
-        source,
-    })?;
+    let bytes = fs::read(input).map_err(|source| SanitizeError::Read { path: input.to_path_buf(), source })?;
     let mut model = decode_model(input, &bytes)?;
     let report = super::sanitize(&mut model);
 
-    let write_err = |source| SanitizeError::Write {
-        path: output.to_path_buf(),
-        source,
-    };
+    let write_err = |source| SanitizeError::Write { path: output.to_path_buf(), source };
     if output.is_dir() {
-        return Err(write_err(io::Error::new(
-            io::ErrorKind::IsADirectory,
-            "the output is a directory",
-        )));
+        return Err(write_err(io::Error::new(io::ErrorKind::IsADirectory, "the output is a directory")));
     }
     // The output is replaced by a rename: only ever replace a regular file, never a device node,
     // a FIFO or a symlink (renaming over /dev/full would destroy the node).
@@ -50,12 +41,7 @@ pub fn sanitize_file(input: &Path, output: &Path) -> Result<SanitizeReport, Sani
     let out_dir = parent_dir(output);
     let out_dir_canon = out_dir.canonicalize().map_err(write_err)?;
     let in_dir = parent_dir(input);
-    let in_dir_canon = in_dir
-        .canonicalize()
-        .map_err(|source| SanitizeError::Read {
-            path: input.to_path_buf(),
-            source,
-        })?;
+    let in_dir_canon = in_dir.canonicalize().map_err(|source| SanitizeError::Read { path: input.to_path_buf(), source })?;
 
     // External data stays where it is when the output sits next to the input; otherwise it is
     // copied (never rewritten) so the relative locations resolve from the output's directory.
@@ -82,12 +68,8 @@ pub fn sanitize_file(input: &Path, output: &Path) -> Result<SanitizeReport, Sani
 // ---------------------------------------------------------------------------------------------
 
 pub(super) fn decode_model(path: &Path, bytes: &[u8]) -> Result<pb::ModelProto, SanitizeError> {
-    let not_onnx = |reason: String| SanitizeError::NotOnnx {
-        path: path.to_path_buf(),
-        reason,
-    };
-    let model = pb::ModelProto::decode(bytes)
-        .map_err(|e| not_onnx(format!("protobuf decoding failed: {e}")))?;
+    let not_onnx = |reason: String| SanitizeError::NotOnnx { path: path.to_path_buf(), reason };
+    let model = pb::ModelProto::decode(bytes).map_err(|e| not_onnx(format!("protobuf decoding failed: {e}")))?;
     if model.ir_version <= 0 {
         return Err(not_onnx("no IR version".to_string()));
     }
@@ -134,8 +116,7 @@ pub(super) fn collect_external_locations(graph: &pb::GraphProto, out: &mut BTree
 pub(super) fn check_location(model: &Path, location: &str) -> Result<(), SanitizeError> {
     let p = Path::new(location);
     let ok = !location.is_empty()
-        && p.components()
-            .all(|c| matches!(c, Component::Normal(_) | Component::CurDir))
+        && p.components().all(|c| matches!(c, Component::Normal(_) | Component::CurDir))
         && p.components().any(|c| matches!(c, Component::Normal(_)));
     if ok {
         Ok(())
@@ -150,56 +131,27 @@ pub(super) fn check_location(model: &Path, location: &str) -> Result<(), Sanitiz
 
 /// Copies the external-data file `location` from `in_dir` to `out_dir`, unless an identical file
 /// is already there.
-pub(super) fn copy_external(
-    model: &Path,
-    in_dir: &Path,
-    out_dir: &Path,
-    location: &str,
-) -> Result<(), SanitizeError> {
+pub(super) fn copy_external(model: &Path, in_dir: &Path, out_dir: &Path, location: &str) -> Result<(), SanitizeError> {
     let from = in_dir.join(location);
     let to = out_dir.join(location);
-    let read_err = |source| SanitizeError::ExternalRead {
-        model: model.to_path_buf(),
-        path: from.clone(),
-        source,
-    };
+    let read_err = |source| SanitizeError::ExternalRead { model: model.to_path_buf(), path: from.clone(), source };
     let canon = from.canonicalize().map_err(read_err)?;
     if !canon.starts_with(in_dir) {
         return Err(SanitizeError::ExternalLocation {
             model: model.to_path_buf(),
             location: location.to_string(),
-            reason: format!(
-                "resolves outside the model's directory (to {})",
-                canon.display()
-            ),
+            reason: format!("resolves outside the model's directory (to {})", canon.display()),
         });
     }
     if !canon.is_file() {
-        return Err(read_err(io::Error::new(
-            io::ErrorKind::InvalidInput,
-            "not a regular file",
-        )));
+        return Err(read_err(io::Error::new(io::ErrorKind::InvalidInput, "not a regular file")));
     }
     if to.exists() {
-        let same = same_contents(&canon, &to).map_err(|source| SanitizeError::ExternalCopy {
-            from: from.clone(),
-            to: to.clone(),
-            source,
-        })?;
-        return if same {
-            Ok(())
-        } else {
-            Err(SanitizeError::ExternalConflict {
-                path: to,
-                original: from,
-            })
-        };
+        let same =
+            same_contents(&canon, &to).map_err(|source| SanitizeError::ExternalCopy { from: from.clone(), to: to.clone(), source })?;
+        return if same { Ok(()) } else { Err(SanitizeError::ExternalConflict { path: to, original: from }) };
     }
-    let copy_err = |source| SanitizeError::ExternalCopy {
-        from: from.clone(),
-        to: to.clone(),
-        source,
-    };
+    let copy_err = |source| SanitizeError::ExternalCopy { from: from.clone(), to: to.clone(), source };
     if let Some(parent) = to.parent() {
         fs::create_dir_all(parent).map_err(copy_err)?;
     }

@@ -73,10 +73,7 @@ pub struct SanitizeReport {
 impl SanitizeReport {
     /// Number of rewrites applied (kept patterns and visited graphs do not count).
     pub fn rewrites(&self) -> usize {
-        self.nan_guards_removed
-            + self.allowzero_cleared
-            + self.scalar_axes_fixed
-            + self.value_info_dropped
+        self.nan_guards_removed + self.allowzero_cleared + self.scalar_axes_fixed + self.value_info_dropped
     }
 
     /// True when the model was left unchanged.
@@ -183,12 +180,7 @@ pub fn sanitize(model: &mut pb::ModelProto) -> SanitizeReport {
     let Some(graph) = model.graph.as_mut() else {
         return report;
     };
-    let mut ctx = Ctx {
-        opset,
-        names: NameGen::default(),
-        orphans: HashSet::new(),
-        report,
-    };
+    let mut ctx = Ctx { opset, names: NameGen::default(), orphans: HashSet::new(), report };
     collect_names(graph, &mut ctx.names.taken);
     sanitize_graph(graph, &HashMap::new(), &mut ctx);
     ctx.report
@@ -247,15 +239,11 @@ fn drop_orphans(graph: &mut pb::GraphProto, orphans: &HashSet<String>) {
             .node
             .iter()
             .enumerate()
-            .filter(|(_, n)| {
-                !n.output.is_empty() && n.output.iter().all(dead) && subgraphs(n).next().is_none()
-            })
+            .filter(|(_, n)| !n.output.is_empty() && n.output.iter().all(dead) && subgraphs(n).next().is_none())
             .map(|(i, _)| i)
             .collect();
         let before = graph.initializer.len();
-        graph
-            .initializer
-            .retain(|i| !dead(&i.name) || inputs.contains(&i.name));
+        graph.initializer.retain(|i| !dead(&i.name) || inputs.contains(&i.name));
         if nodes.is_empty() && graph.initializer.len() == before {
             break;
         }
@@ -286,21 +274,11 @@ mod tests {
     }
 
     fn int_attr(name: &str, i: i64) -> pb::AttributeProto {
-        pb::AttributeProto {
-            name: name.to_string(),
-            r#type: AttributeType::Int as i32,
-            i,
-            ..Default::default()
-        }
+        pb::AttributeProto { name: name.to_string(), r#type: AttributeType::Int as i32, i, ..Default::default() }
     }
 
     fn graph_attr(name: &str, g: pb::GraphProto) -> pb::AttributeProto {
-        pb::AttributeProto {
-            name: name.to_string(),
-            r#type: AttributeType::Graph as i32,
-            g: Some(g),
-            ..Default::default()
-        }
+        pb::AttributeProto { name: name.to_string(), r#type: AttributeType::Graph as i32, g: Some(g), ..Default::default() }
     }
 
     fn with_attr(mut n: pb::NodeProto, a: pb::AttributeProto) -> pb::NodeProto {
@@ -329,25 +307,15 @@ mod tests {
     }
 
     fn constant(out: &str, t: pb::TensorProto) -> pb::NodeProto {
-        let a = pb::AttributeProto {
-            name: "value".to_string(),
-            r#type: AttributeType::Tensor as i32,
-            t: Some(t),
-            ..Default::default()
-        };
+        let a =
+            pb::AttributeProto { name: "value".to_string(), r#type: AttributeType::Tensor as i32, t: Some(t), ..Default::default() };
         with_attr(node("Constant", &[], &[out]), a)
     }
 
     fn vi(name: &str, dims: &[i64]) -> pb::ValueInfoProto {
         use pb::tensor_shape_proto::{Dimension, dimension::Value};
         let shape = pb::TensorShapeProto {
-            dim: dims
-                .iter()
-                .map(|&d| Dimension {
-                    value: Some(Value::DimValue(d)),
-                    ..Default::default()
-                })
-                .collect(),
+            dim: dims.iter().map(|&d| Dimension { value: Some(Value::DimValue(d)), ..Default::default() }).collect(),
         };
         pb::ValueInfoProto {
             name: name.to_string(),
@@ -375,10 +343,7 @@ mod tests {
     fn model(g: pb::GraphProto, opset: i64) -> pb::ModelProto {
         pb::ModelProto {
             ir_version: 8,
-            opset_import: vec![pb::OperatorSetIdProto {
-                domain: String::new(),
-                version: opset,
-            }],
+            opset_import: vec![pb::OperatorSetIdProto { domain: String::new(), version: opset }],
             graph: Some(g),
             ..Default::default()
         }
@@ -389,10 +354,7 @@ mod tests {
     }
 
     fn find<'a>(g: &'a pb::GraphProto, op: &str) -> &'a pb::NodeProto {
-        g.node
-            .iter()
-            .find(|n| n.op_type == op)
-            .unwrap_or_else(|| panic!("no {op} in {:?}", ops(g)))
+        g.node.iter().find(|n| n.op_type == op).unwrap_or_else(|| panic!("no {op} in {:?}", ops(g)))
     }
 
     fn zero() -> pb::NodeProto {
@@ -417,11 +379,7 @@ mod tests {
         assert_eq!(r.nan_guards_removed, 1);
         assert_eq!(r.nan_guards_kept, 0);
         let g = m.graph.as_ref().unwrap();
-        assert_eq!(
-            ops(g),
-            ["Softmax", "Relu"],
-            "the guard and its zero are gone"
-        );
+        assert_eq!(ops(g), ["Softmax", "Relu"], "the guard and its zero are gone");
         assert_eq!(find(g, "Relu").input, ["s"]);
     }
 
@@ -469,24 +427,13 @@ mod tests {
 
     #[test]
     fn guard_feeding_a_graph_output_becomes_identity() {
-        let g = graph(
-            vec![
-                node("IsNaN", &["x"], &["nan"]),
-                zero(),
-                node("Where", &["nan", "zero", "x"], &["y"]),
-            ],
-            &["x"],
-            &["y"],
-        );
+        let g = graph(vec![node("IsNaN", &["x"], &["nan"]), zero(), node("Where", &["nan", "zero", "x"], &["y"])], &["x"], &["y"]);
         let mut m = model(g, 17);
         assert_eq!(sanitize(&mut m).nan_guards_removed, 1);
         let g = m.graph.as_ref().unwrap();
         assert_eq!(ops(g), ["Identity"]);
         let id = find(g, "Identity");
-        assert_eq!(
-            (id.input.as_slice(), id.output.as_slice()),
-            (&["x".to_string()][..], &["y".to_string()][..])
-        );
+        assert_eq!((id.input.as_slice(), id.output.as_slice()), (&["x".to_string()][..], &["y".to_string()][..]));
         assert_eq!(g.output[0].name, "y");
     }
 
@@ -531,25 +478,13 @@ mod tests {
         let mut m = model(g, 17);
         let r = sanitize(&mut m);
         assert_eq!((r.nan_guards_removed, r.nan_guards_kept), (0, 3));
-        assert_eq!(
-            m.graph
-                .unwrap()
-                .node
-                .iter()
-                .filter(|n| n.op_type == "Where")
-                .count(),
-            3
-        );
+        assert_eq!(m.graph.unwrap().node.iter().filter(|n| n.op_type == "Where").count(), 3);
     }
 
     #[test]
     fn one_element_replacement_of_known_lower_rank_is_removed() {
         let mut g = graph(
-            vec![
-                node("IsNaN", &["x"], &["nan"]),
-                node("Where", &["nan", "z1", "x"], &["g"]),
-                node("Relu", &["g"], &["y"]),
-            ],
+            vec![node("IsNaN", &["x"], &["nan"]), node("Where", &["nan", "z1", "x"], &["g"]), node("Relu", &["g"], &["y"])],
             &["x"],
             &["y"],
         );
@@ -564,23 +499,13 @@ mod tests {
         let then_branch = graph(vec![node("Neg", &["g"], &["t"])], &[], &["t"]);
         let mut else_branch = graph(vec![node("Neg", &["g"], &["e"])], &[], &["e"]);
         // `else` defines its own `g` (shadowing): it must not be renamed.
-        else_branch
-            .initializer
-            .push(f32_tensor("g", &[2, 3], &[0.0; 6]));
+        else_branch.initializer.push(f32_tensor("g", &[2, 3], &[0.0; 6]));
         let iff = with_attr(
-            with_attr(
-                node("If", &["c"], &["y"]),
-                graph_attr("then_branch", then_branch),
-            ),
+            with_attr(node("If", &["c"], &["y"]), graph_attr("then_branch", then_branch)),
             graph_attr("else_branch", else_branch),
         );
         let g = graph(
-            vec![
-                node("IsNaN", &["x"], &["nan"]),
-                zero(),
-                node("Where", &["nan", "zero", "x"], &["g"]),
-                iff,
-            ],
+            vec![node("IsNaN", &["x"], &["nan"]), zero(), node("Where", &["nan", "zero", "x"], &["g"]), iff],
             &["x", "c"],
             &["y"],
         );
@@ -600,31 +525,13 @@ mod tests {
         let raw: Vec<u8> = [2i64, -1].iter().flat_map(|v| v.to_le_bytes()).collect();
         let mut g = graph(
             vec![
-                with_attr(
-                    node("Reshape", &["x", "s_init"], &["a"]),
-                    int_attr("allowzero", 1),
-                ),
-                with_attr(
-                    node("Reshape", &["a", "s_raw"], &["b"]),
-                    int_attr("allowzero", 1),
-                ),
+                with_attr(node("Reshape", &["x", "s_init"], &["a"]), int_attr("allowzero", 1)),
+                with_attr(node("Reshape", &["a", "s_raw"], &["b"]), int_attr("allowzero", 1)),
                 constant("s_const", i64_tensor("s_const", &[1], &[-1])),
-                with_attr(
-                    node("Reshape", &["b", "s_const"], &["c"]),
-                    int_attr("allowzero", 1),
-                ),
-                with_attr(
-                    node("Reshape", &["c", "s_zero"], &["d"]),
-                    int_attr("allowzero", 1),
-                ),
-                with_attr(
-                    node("Reshape", &["d", "s_runtime"], &["e"]),
-                    int_attr("allowzero", 1),
-                ),
-                with_attr(
-                    node("Reshape", &["e", "s_init"], &["y"]),
-                    int_attr("allowzero", 0),
-                ),
+                with_attr(node("Reshape", &["b", "s_const"], &["c"]), int_attr("allowzero", 1)),
+                with_attr(node("Reshape", &["c", "s_zero"], &["d"]), int_attr("allowzero", 1)),
+                with_attr(node("Reshape", &["d", "s_runtime"], &["e"]), int_attr("allowzero", 1)),
+                with_attr(node("Reshape", &["e", "s_init"], &["y"]), int_attr("allowzero", 0)),
             ],
             &["x", "s_runtime"],
             &["y"],
@@ -646,12 +553,7 @@ mod tests {
             .node
             .iter()
             .filter(|n| n.op_type == "Reshape")
-            .map(|n| {
-                n.attribute
-                    .iter()
-                    .find(|a| a.name == "allowzero")
-                    .map(|a| a.i)
-            })
+            .map(|n| n.attribute.iter().find(|a| a.name == "allowzero").map(|a| a.i))
             .collect();
         assert_eq!(allowzero, [None, None, None, Some(1), Some(1), Some(0)]);
     }
@@ -679,10 +581,7 @@ mod tests {
         assert_eq!(g.initializer[0].dims, [1]);
         assert_eq!(g.node[2].attribute[0].t.as_ref().unwrap().dims, [1]);
         let a = &g.node[4].attribute[0];
-        assert_eq!(
-            (a.name.as_str(), a.r#type, a.ints.as_slice()),
-            ("value_ints", AttributeType::Ints as i32, &[1][..])
-        );
+        assert_eq!((a.name.as_str(), a.r#type, a.ints.as_slice()), ("value_ints", AttributeType::Ints as i32, &[1][..]));
         // Sanitizing again finds nothing.
         assert!(sanitize(&mut m).is_unchanged());
     }
@@ -710,43 +609,23 @@ mod tests {
         let g = m.graph.as_ref().unwrap();
         assert_eq!(g.node[0].input[1], "idx_axes1d_1");
         assert_eq!(g.node[1].input[1], "idx", "Gather keeps its scalar index");
-        let new = g
-            .initializer
-            .iter()
-            .find(|i| i.name == "idx_axes1d_1")
-            .unwrap();
-        assert_eq!(
-            (new.dims.as_slice(), new.int64_data.as_slice()),
-            (&[1][..], &[0][..])
-        );
-        assert!(
-            g.initializer
-                .iter()
-                .find(|i| i.name == "idx")
-                .unwrap()
-                .dims
-                .is_empty()
-        );
+        let new = g.initializer.iter().find(|i| i.name == "idx_axes1d_1").unwrap();
+        assert_eq!((new.dims.as_slice(), new.int64_data.as_slice()), (&[1][..], &[0][..]));
+        assert!(g.initializer.iter().find(|i| i.name == "idx").unwrap().dims.is_empty());
     }
 
     #[test]
     fn outer_scope_scalar_axes_get_a_local_initializer() {
         let body = graph(vec![node("Unsqueeze", &["x", "ax"], &["t"])], &[], &["t"]);
         let other = graph(vec![node("Identity", &["x"], &["e"])], &[], &["e"]);
-        let iff = with_attr(
-            with_attr(node("If", &["c"], &["y"]), graph_attr("then_branch", body)),
-            graph_attr("else_branch", other),
-        );
+        let iff = with_attr(with_attr(node("If", &["c"], &["y"]), graph_attr("then_branch", body)), graph_attr("else_branch", other));
         let gather = node("Gather", &["x", "ax"], &["row"]);
         let mut g = graph(vec![iff.clone(), gather], &["x", "c"], &["y", "row"]);
         g.initializer.push(i64_tensor("ax", &[], &[0]));
         let mut m = model(g, 17);
         assert_eq!(sanitize(&mut m).scalar_axes_fixed, 1);
         let g = m.graph.as_ref().unwrap();
-        assert!(
-            g.initializer[0].dims.is_empty(),
-            "outer initializer untouched"
-        );
+        assert!(g.initializer[0].dims.is_empty(), "outer initializer untouched");
         let body = g.node[0].attribute[0].g.as_ref().unwrap();
         assert_eq!(body.node[0].input[1], "ax_axes1d");
         assert_eq!(body.initializer[0].dims, [1]);
@@ -761,11 +640,7 @@ mod tests {
 
     #[test]
     fn scalar_axes_left_alone_before_opset_13() {
-        let mut g = graph(
-            vec![node("Unsqueeze", &["x", "ax"], &["y"])],
-            &["x"],
-            &["y"],
-        );
+        let mut g = graph(vec![node("Unsqueeze", &["x", "ax"], &["y"])], &["x"], &["y"]);
         g.initializer.push(i64_tensor("ax", &[], &[0]));
         let mut m = model(g, 11);
         assert_eq!(sanitize(&mut m).scalar_axes_fixed, 0);
@@ -775,26 +650,14 @@ mod tests {
     #[test]
     fn external_scalar_axes_keep_their_external_data() {
         let ext = vec![
-            pb::StringStringEntryProto {
-                key: "location".to_string(),
-                value: "w.bin".to_string(),
-            },
-            pb::StringStringEntryProto {
-                key: "offset".to_string(),
-                value: "0".to_string(),
-            },
-            pb::StringStringEntryProto {
-                key: "length".to_string(),
-                value: "8".to_string(),
-            },
+            pb::StringStringEntryProto { key: "location".to_string(), value: "w.bin".to_string() },
+            pb::StringStringEntryProto { key: "offset".to_string(), value: "0".to_string() },
+            pb::StringStringEntryProto { key: "length".to_string(), value: "8".to_string() },
         ];
         let mut g = graph(
             vec![
                 node("Unsqueeze", &["x", "ax"], &["u"]),
-                with_attr(
-                    node("Reshape", &["u", "shape"], &["y"]),
-                    int_attr("allowzero", 1),
-                ),
+                with_attr(node("Reshape", &["u", "shape"], &["y"]), int_attr("allowzero", 1)),
             ],
             &["x"],
             &["y"],
@@ -843,28 +706,15 @@ mod tests {
         assert_eq!((r.value_info_dropped, r.graphs), (4, 3));
         let g = m.graph.as_ref().unwrap();
         assert!(g.value_info.is_empty());
-        assert!(
-            g.node[0].attribute[0]
-                .graphs
-                .iter()
-                .all(|b| b.value_info.is_empty())
-        );
+        assert!(g.node[0].attribute[0].graphs.iter().all(|b| b.value_info.is_empty()));
     }
 
     #[test]
     fn report_is_one_line() {
-        let r = SanitizeReport {
-            nan_guards_removed: 2,
-            value_info_dropped: 3,
-            graphs: 1,
-            ..Default::default()
-        };
+        let r = SanitizeReport { nan_guards_removed: 2, value_info_dropped: 3, graphs: 1, ..Default::default() };
         let s = r.to_string();
         assert!(!s.contains('\n'));
-        assert!(
-            s.contains("2 NaN guard(s) removed") && s.contains("3 value_info dropped"),
-            "{s}"
-        );
+        assert!(s.contains("2 NaN guard(s) removed") && s.contains("3 value_info dropped"), "{s}");
         assert_eq!(r.rewrites(), 5);
         assert!(!r.is_unchanged());
         assert!(SanitizeReport::default().is_unchanged());
@@ -872,15 +722,9 @@ mod tests {
 
     #[test]
     fn model_without_graph_is_left_alone() {
-        let mut m = pb::ModelProto {
-            ir_version: 8,
-            ..Default::default()
-        };
+        let mut m = pb::ModelProto { ir_version: 8, ..Default::default() };
         assert_eq!(sanitize(&mut m), SanitizeReport::default());
-        assert!(matches!(
-            decode_model(Path::new("m.onnx"), &m.encode_to_vec()),
-            Err(SanitizeError::NotOnnx { .. })
-        ));
+        assert!(matches!(decode_model(Path::new("m.onnx"), &m.encode_to_vec()), Err(SanitizeError::NotOnnx { .. })));
     }
 
     #[test]
@@ -890,10 +734,7 @@ mod tests {
         assert!(check_location(m, "./sub/weights.bin").is_ok());
         for bad in ["", ".", "/etc/passwd", "../weights.bin", "sub/../../w.bin"] {
             let err = check_location(m, bad).expect_err(bad);
-            assert!(
-                matches!(err, SanitizeError::ExternalLocation { .. }),
-                "{bad}: {err}"
-            );
+            assert!(matches!(err, SanitizeError::ExternalLocation { .. }), "{bad}: {err}");
         }
     }
 
@@ -903,4 +744,3 @@ mod tests {
         assert_eq!(parent_dir(Path::new("a/m.onnx")), Path::new("a"));
     }
 }
-

@@ -8,12 +8,7 @@ use super::Ctx;
 use super::proto::*;
 
 /// Rewrite 1: `Where(IsNaN(t), c, t)` / `Where(Not(IsNaN(t)), t, c)` → `t`.
-pub(super) fn remove_nan_guards(
-    graph: &mut pb::GraphProto,
-    outer: &Consts,
-    ranks: &HashMap<String, usize>,
-    ctx: &mut Ctx,
-) {
+pub(super) fn remove_nan_guards(graph: &mut pb::GraphProto, outer: &Consts, ranks: &HashMap<String, usize>, ctx: &mut Ctx) {
     let producer = producers(graph);
     let outputs: HashSet<String> = graph.output.iter().map(|o| o.name.clone()).collect();
     let mut drop_nodes = HashSet::new();
@@ -27,11 +22,7 @@ pub(super) fn remove_nan_guards(
             continue;
         };
         let (isnan, not) = if is_op(&graph.node[cond_node], "Not") {
-            match graph.node[cond_node]
-                .input
-                .first()
-                .and_then(|c| producer.get(c))
-            {
+            match graph.node[cond_node].input.first().and_then(|c| producer.get(c)) {
                 Some(&p) if is_op(&graph.node[p], "IsNaN") => (p, Some(cond_node)),
                 _ => continue,
             }

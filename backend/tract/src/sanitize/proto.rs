@@ -5,14 +5,9 @@ use std::collections::{HashMap, HashSet};
 use tract_onnx::pb;
 use tract_onnx::pb::tensor_proto::{DataLocation, DataType};
 
-
 /// The default-domain opset of `model` (`None` when it imports none).
 pub(super) fn default_opset(model: &pb::ModelProto) -> Option<i64> {
-    model
-        .opset_import
-        .iter()
-        .find(|o| o.domain.is_empty() || o.domain == "ai.onnx")
-        .map(|o| o.version)
+    model.opset_import.iter().find(|o| o.domain.is_empty() || o.domain == "ai.onnx").map(|o| o.version)
 }
 
 pub(super) fn is_default_domain(node: &pb::NodeProto) -> bool {
@@ -32,14 +27,8 @@ pub(super) type Consts = HashMap<String, pb::TensorProto>;
 /// Ranks known from this graph's declarations (inputs, outputs, value_info, initializers).
 pub(super) fn known_ranks(graph: &pb::GraphProto) -> HashMap<String, usize> {
     let mut ranks = HashMap::new();
-    for vi in graph
-        .input
-        .iter()
-        .chain(&graph.output)
-        .chain(&graph.value_info)
-    {
-        if let Some(pb::type_proto::Value::TensorType(t)) =
-            vi.r#type.as_ref().and_then(|t| t.value.as_ref())
+    for vi in graph.input.iter().chain(&graph.output).chain(&graph.value_info) {
+        if let Some(pb::type_proto::Value::TensorType(t)) = vi.r#type.as_ref().and_then(|t| t.value.as_ref())
             && let Some(shape) = &t.shape
         {
             ranks.insert(vi.name.clone(), shape.dim.len());
@@ -80,22 +69,14 @@ pub(super) fn constant_node_tensor(node: &pb::NodeProto) -> Option<pb::TensorPro
     let attr = node.attribute.first()?;
     match attr.name.as_str() {
         "value" => attr.t.clone(),
-        "value_int" => Some(pb::TensorProto {
-            data_type: DataType::Int64 as i32,
-            int64_data: vec![attr.i],
-            ..Default::default()
-        }),
+        "value_int" => Some(pb::TensorProto { data_type: DataType::Int64 as i32, int64_data: vec![attr.i], ..Default::default() }),
         "value_ints" => Some(pb::TensorProto {
             dims: vec![attr.ints.len() as i64],
             data_type: DataType::Int64 as i32,
             int64_data: attr.ints.clone(),
             ..Default::default()
         }),
-        "value_float" => Some(pb::TensorProto {
-            data_type: DataType::Float as i32,
-            float_data: vec![attr.f],
-            ..Default::default()
-        }),
+        "value_float" => Some(pb::TensorProto { data_type: DataType::Float as i32, float_data: vec![attr.f], ..Default::default() }),
         "value_floats" => Some(pb::TensorProto {
             dims: vec![attr.floats.len() as i64],
             data_type: DataType::Float as i32,
@@ -108,10 +89,7 @@ pub(super) fn constant_node_tensor(node: &pb::NodeProto) -> Option<pb::TensorPro
 
 /// Element count of `t` (saturating: dims come from an untrusted file).
 pub(super) fn numel(t: &pb::TensorProto) -> i64 {
-    t.dims
-        .iter()
-        .try_fold(1i64, |acc, &d| acc.checked_mul(d))
-        .unwrap_or(i64::MAX)
+    t.dims.iter().try_fold(1i64, |acc, &d| acc.checked_mul(d)).unwrap_or(i64::MAX)
 }
 
 pub(super) fn is_external(t: &pb::TensorProto) -> bool {
@@ -128,19 +106,13 @@ pub(super) fn int_values(t: &pb::TensorProto) -> Option<Vec<i64>> {
         if t.raw_data.is_empty() {
             t.int64_data.clone()
         } else {
-            t.raw_data
-                .chunks_exact(8)
-                .map(|c| i64::from_le_bytes([c[0], c[1], c[2], c[3], c[4], c[5], c[6], c[7]]))
-                .collect()
+            t.raw_data.chunks_exact(8).map(|c| i64::from_le_bytes([c[0], c[1], c[2], c[3], c[4], c[5], c[6], c[7]])).collect()
         }
     } else if t.data_type == DataType::Int32 as i32 {
         if t.raw_data.is_empty() {
             t.int32_data.iter().map(|&v| i64::from(v)).collect()
         } else {
-            t.raw_data
-                .chunks_exact(4)
-                .map(|c| i64::from(i32::from_le_bytes([c[0], c[1], c[2], c[3]])))
-                .collect()
+            t.raw_data.chunks_exact(4).map(|c| i64::from(i32::from_le_bytes([c[0], c[1], c[2], c[3]]))).collect()
         }
     } else {
         return None;
@@ -158,11 +130,7 @@ pub(super) fn lookup_const(graph: &pb::GraphProto, outer: &Consts, name: &str) -
     }
     for node in &graph.node {
         if node.output.iter().any(|o| o == name) {
-            return if is_op(node, "Constant") {
-                constant_node_tensor(node)
-            } else {
-                None
-            };
+            return if is_op(node, "Constant") { constant_node_tensor(node) } else { None };
         }
     }
     outer.get(name).cloned()
@@ -191,9 +159,7 @@ pub(super) fn free_uses(graph: &pb::GraphProto, out: &mut HashSet<String>) {
 }
 
 pub(super) fn subgraphs(node: &pb::NodeProto) -> impl Iterator<Item = &pb::GraphProto> {
-    node.attribute
-        .iter()
-        .flat_map(|a| a.g.iter().chain(a.graphs.iter()))
+    node.attribute.iter().flat_map(|a| a.g.iter().chain(a.graphs.iter()))
 }
 
 /// Every use of each value in `graph`: node inputs, subgraph outer-scope reads, graph outputs.
@@ -292,14 +258,7 @@ impl NameGen {
 }
 
 pub(super) fn collect_names(graph: &pb::GraphProto, taken: &mut HashSet<String>) {
-    taken.extend(
-        graph
-            .input
-            .iter()
-            .chain(&graph.output)
-            .chain(&graph.value_info)
-            .map(|v| v.name.clone()),
-    );
+    taken.extend(graph.input.iter().chain(&graph.output).chain(&graph.value_info).map(|v| v.name.clone()));
     taken.extend(graph.initializer.iter().map(|i| i.name.clone()));
     for node in &graph.node {
         taken.extend(node.input.iter().chain(&node.output).cloned());

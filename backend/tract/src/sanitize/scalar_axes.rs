@@ -35,17 +35,11 @@ pub(super) fn fix_scalar_axes(graph: &mut pb::GraphProto, outer: &Consts, ctx: &
     }
 
     let uses = use_counts(graph);
-    let graph_io: HashSet<String> = graph
-        .input
-        .iter()
-        .chain(&graph.output)
-        .map(|v| v.name.clone())
-        .collect();
+    let graph_io: HashSet<String> = graph.input.iter().chain(&graph.output).map(|v| v.name.clone()).collect();
     let mut new_inits = Vec::new();
     let mut fixes = Vec::new();
     for (axes, nodes) in &groups {
-        let exclusive =
-            uses.get(axes).copied().unwrap_or(0) == nodes.len() && !graph_io.contains(axes);
+        let exclusive = uses.get(axes).copied().unwrap_or(0) == nodes.len() && !graph_io.contains(axes);
         let fixed_in_place = exclusive && reshape_local_const(graph, axes);
         if !fixed_in_place {
             let Some(mut t) = lookup_const(graph, outer, axes) else {
@@ -75,11 +69,7 @@ pub(super) fn reshape_local_const(graph: &mut pb::GraphProto, name: &str) -> boo
         init.dims = vec![1];
         return true;
     }
-    let Some(node) = graph
-        .node
-        .iter_mut()
-        .find(|n| n.output.iter().any(|o| o == name))
-    else {
+    let Some(node) = graph.node.iter_mut().find(|n| n.output.iter().any(|o| o == name)) else {
         return false;
     };
     if !is_op(node, "Constant") || node.attribute.len() != 1 {
