@@ -180,7 +180,8 @@ fn calibrate_on_every_snapshot() {
         let profile = snapshot_profile(name, &d);
         let chart = d.join(format!("{name}.svg"));
         let o = herald(
-            &["calibrate", "--bundle", b.to_str().unwrap(), "--utterances", "1", "--chart", chart.to_str().unwrap()],
+            // short measurements (--frames 30): this test is about every board, not precision
+            &["calibrate", "--bundle", b.to_str().unwrap(), "--utterances", "1", "--frames", "30", "--chart", chart.to_str().unwrap()],
             &[("HERALD_HW_PROFILE", profile.to_str().unwrap()), ("HERALD_RUNTIME_CALIBRATION_DIR", d.join("cal").to_str().unwrap())],
         );
         assert!(o.status.success(), "{name}: {}", text(&o.stderr));
@@ -233,10 +234,11 @@ fn calibrate_checks_where_it_writes_before_measuring() {
     std::fs::write(&file, "x").unwrap();
     let missing = d.join("missing/x.svg");
     let cal = d.join("cal");
-    let cases: [(&[&str], &str); 3] = [
+    let cases: [(&[&str], &str); 4] = [
         (&["--dir", file.to_str().unwrap()], "not a directory"),
         (&["--chart", missing.to_str().unwrap()], "does not exist"),
         (&["--chart", "/dev/null"], "not a regular file"),
+        (&["--frames", "29"], "29 is not in 30..=120"),
     ];
     for (extra, needle) in cases {
         let mut args = vec!["calibrate", "--bundle", b.to_str().unwrap()];

@@ -73,14 +73,16 @@ impl AtomicFile {
         let name = target
             .file_name()
             .ok_or_else(|| io::Error::new(io::ErrorKind::InvalidInput, format!("{}: no file name", target.display())))?;
+        // named here, so the error speaks of the folder the caller gave, not of a temporary file
+        let dir = parent_dir(target);
+        if !dir.is_dir() {
+            return Err(io::Error::new(io::ErrorKind::NotFound, format!("{}: no such directory", dir.display())));
+        }
         let mut prefix = OsString::from(".");
         prefix.push(name);
         prefix.push(".");
-        let temp = tempfile::Builder::new()
-            .prefix(&prefix)
-            .suffix(".tmp")
-            .permissions(Permissions::from_mode(0o666))
-            .tempfile_in(parent_dir(target))?;
+        let temp =
+            tempfile::Builder::new().prefix(&prefix).suffix(".tmp").permissions(Permissions::from_mode(0o666)).tempfile_in(dir)?;
         Ok(Self { inner: Inner::Temp(temp), target: target.to_owned() })
     }
 

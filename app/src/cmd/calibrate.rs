@@ -2,7 +2,7 @@
 //! it where `speak` finds it (`runtime.calibration_dir/<fingerprint>.json`).
 //!
 //! Measurement: one discarded warm-up utterance, then `--utterances` measured ones (fixed
-//! texts, fixed seed, at most [`MAX_FRAMES`] frames each, no audio device), all with the
+//! texts, fixed seed, at most `--frames` ([`MAX_FRAMES`] by default) frames each, no audio device), all with the
 //! default ramp through the real pipeline on the derived CPU sets. From their chunk timelines:
 //! the production rate (frames after the first chunk / time between first and last chunk,
 //! median over utterances), the decode time per frame, the vocoder's cost per window length,
@@ -27,8 +27,11 @@ use crate::config::{CliOverrides, Config};
 use crate::exit::{self, Failure, engine_code, fail};
 use crate::tuning;
 
-/// Frames per measured utterance at most (9.6 s of audio).
+/// Frames per measured utterance at most, by default (9.6 s of audio): `--frames`.
 pub const MAX_FRAMES: usize = 120;
+/// The fewest frames `--frames` takes: enough for the default ramp's first four chunks
+/// (2 + 4 + 8 + 16), so that a production rate can be read off the chunk timeline.
+pub const MIN_FRAMES: usize = 30;
 /// Sampling seed of the calibration utterances (any fixed value: the timeline, not the audio,
 /// is measured).
 const SEED: u64 = 20_261_130;
@@ -53,6 +56,10 @@ pub struct CalibrateArgs {
     /// Measured utterances (after one warm-up).
     #[arg(long, default_value_t = 3, value_parser = clap::value_parser!(u32).range(1..=20))]
     pub utterances: u32,
+    /// Frames per utterance at most: fewer make a quicker, rougher calibration.
+    #[arg(long, default_value_t = MAX_FRAMES as u32,
+          value_parser = clap::value_parser!(u32).range(MIN_FRAMES as i64..=MAX_FRAMES as i64))]
+    pub frames: u32,
     /// Store the calibration in DIR instead of runtime.calibration_dir.
     #[arg(long, value_name = "DIR")]
     pub dir: Option<PathBuf>,
@@ -62,9 +69,10 @@ pub struct CalibrateArgs {
     pub chart: Option<PathBuf>,
 }
 
-/// The `i`th calibration utterance in the configured voice, with a fixed seed and frame cap.
-fn request(voice: &Voice, i: usize) -> Request {
-    Request { seed: Some(SEED + i as u64), max_frames: Some(MAX_FRAMES), ..voice.request(TEXTS[i % TEXTS.len()]) }
+/// The `i`th calibration utterance in the configured voice, with a fixed seed and a cap of
+/// `frames` frames.
+fn request(voice: &Voice, i: usize, frames: u32) -> Request {
+    Request { seed: Some(SEED + i as u64), max_frames: Some(frames as usize), ..voice.request(TEXTS[i % TEXTS.len()]) }
 }
 
 /// One utterance without audio output: its report. SIGINT/SIGTERM cancel it (exit 130).
@@ -118,14 +126,14 @@ fn calibrate(cfg: &Config, args: &CalibrateArgs) -> Result<(), Failure> {
     let frame_ms = 1e3 * f64::from(manifest.audio.samples_per_frame) / f64::from(manifest.audio.sample_rate);
     log::info!("bundle loaded in {:.2} s; warming up", t_load.elapsed().as_secs_f64());
 
-    measure(&engine, &request(&voice, 0))?;
+    measure(&engine, &request(&voice, 0, args.frames))?;
     let mut rates = Vec::new();
     let mut prefill = Vec::new();
     let mut decode = Vec::new();
     let mut ttfa = Vec::new();
     let mut timelines = Vec::new();
     for i in 0..args.utterances as usize {
-        let r = measure(&engine, &request(&voice, i + 1))?;
+        let r = measure(&engine, &request(&voice, i + 1, args.frames))?;
         match calibration::rate_from_chunks(&r.chunk_times) {
             Some(rate) if r.chunk_times.len() >= 3 => {
                 rates.push(rate);
@@ -215,7 +223,7 @@ fn calibrate(cfg: &Config, args: &CalibrateArgs) -> Result<(), Failure> {
         // the same warm engine, the same text as the first measured utterance, the new ramp
         let mut engine = engine;
         engine.set_ramp(&cal.schedule.ramp).map_err(|e| fail(engine_code(&e), e))?;
-        let calibrated = measure(&engine, &request(&voice, 1))?;
+        let calibrated = measure(&engine, &request(&voice, 1, args.frames))?;
         let reference = timelines.first().cloned().unwrap_or_default();
         let lanes = [
             Lane { title: format!("default ramp {default_ramp:?}"), chunks: reference, frame_s: frame_ms / 1e3 },
