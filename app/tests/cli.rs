@@ -147,7 +147,7 @@ fn documented_exit_codes_with_one_line_reasons() {
         "talker.onnx",
     );
     assert_eq!(std::fs::read(&keep).unwrap(), b"precious");
-    // and leaves no temporary file (board::fsutil names them `.keep.wav.XXXXXX.tmp`)
+    // and leaves no temporary file (board::fsutil names them `.keep.wav.<random>.tmp`)
     assert!(!std::fs::read_dir(&d).unwrap().any(|e| e.unwrap().file_name().to_string_lossy().starts_with(".keep.wav.")));
     // standard input is read only up to what a text may hold
     let huge = vec![b'a'; 200_000];
