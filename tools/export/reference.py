@@ -12,13 +12,14 @@ Usage::
 
     python tools/export/reference.py --bundle DIR --text "Hello." [--language auto|english|...]
         [--speaker NAME] [--mode streaming|non-streaming] [--greedy | --seed N]
-        [--max-frames N] [--force-eos-at N] [--ramp 2,4,8,16,25] [--left-context 72]
-        [--codes-out FILE.npy] [--wav-out FILE.wav] [--wav-npy FILE.npy]
+        [--max-frames N] [--force-eos-at N] [--vocoder stateful|windowed] [--ramp 2,4,8,16,25]
+        [--left-context 72] [--codes-out FILE.npy] [--wav-out FILE.wav] [--wav-npy FILE.npy]
 
     from reference import Reference
     ref = Reference("bundle/")
     gen = ref.generate("Hello.", language="english", greedy=True)   # gen.codes int64 [F, 16]
-    wav = ref.vocode(gen.codes)                                      # float32 [F * 1920]
+    wav = ref.vocode(gen.codes)                                      # windowed: float32 [F * 1920]
+    wav = ref.vocode_stateful(gen.codes)                             # stateful (bundle stream_graph)
 
 Notation (docs/qwen3-tts.md §2): T(id) = ``text_embedding[id]`` (already text-projected in the
 bundle), C(id) = ``codec_embedding[id]``, E_k(id) = ``cp_embedding[k-1][id]`` for codebook k = 1..15.
@@ -113,10 +114,24 @@ further draw) and a ``warning:`` line goes to stderr. ``max_frames`` overrides t
 
 6. Vocoding
 -----------
-``herald_export.vocoder.decode_windowed`` over an onnxruntime session of ``vocoder.onnx`` with the
-ramp and left context (defaults: bundle ``[vocoder] ramp`` and ``left_context_frames``): exactly
-frames x samples_per_frame float32 samples in [-1, 1]. WAV files are 16-bit PCM mono at the
-bundle's sample rate: ``s = round_half_away_from_zero(float64(clamp(x, -1, 1)) * 32767)``.
+Two schemes (docs/bundle.md, "Vocoder"), each giving exactly frames x samples_per_frame float32
+samples in [-1, 1]:
+
+- windowed (``Reference.vocode``): ``herald_export.vocoder.decode_windowed`` over an onnxruntime
+  session of the ``[vocoder] graph`` (``vocoder.onnx``) with the ramp and left context (defaults:
+  bundle ``[vocoder] ramp`` and ``left_context_frames``); each chunk is decoded again together
+  with up to ``left_context`` earlier frames and only its own samples are kept. Close to, not
+  exactly, one single pass.
+- stateful (``Reference.vocode_stateful``): ``herald_export.vocoder.decode_stateful`` over the
+  ``[vocoder] stream_graph`` (``vocoder_stream.onnx``, optional in a bundle) with the ramp
+  (default bundle ``[vocoder] ramp``): each chunk feeds only its new frames plus the carried
+  ``state.*`` (all zero for the first chunk, then the previous chunk's ``next.*``). The states
+  (names, dtypes, shapes) are read from the bundle's ``[graphs.<stream_graph>]`` inputs. Equal
+  to one single pass (``Reference.vocode_once``) up to float rounding, for any ramp.
+
+The command line uses the stateful scheme when the bundle has a ``stream_graph`` and the windowed
+one otherwise (``--vocoder`` chooses). WAV files are 16-bit PCM mono at the bundle's sample rate:
+``s = round_half_away_from_zero(float64(clamp(x, -1, 1)) * 32767)``.
 """
 
 from __future__ import annotations
@@ -145,6 +160,8 @@ CAP_FRAMES_PER_TEXT_TOKEN = 10
 SUPPRESSED_TOP_IDS = 1024
 
 MODES = ("streaming", "non-streaming")
+#: Vocoding schemes of the command line (module docstring §6).
+VOCODERS = ("stateful", "windowed")
 MASK64 = (1 << 64) - 1
 
 
@@ -412,6 +429,9 @@ class Reference:
         voc = m.get("vocoder", {})
         self.default_ramp = list(voc.get("ramp", [2, 4, 8, 16, 25]))
         self.default_left_context = int(voc.get("left_context_frames", voc.get("sliding_window", 72)))
+        #: Key into ``graphs`` of the stateful vocoder, or None when the bundle only has the windowed one.
+        self.stream_graph: str | None = voc.get("stream_graph")
+        self._vocoder_stream = None
 
         self.talker_spec = _lm_spec("talker", m["talker"])
         self.predictor_spec = _lm_spec("code_predictor", m["code_predictor"])
@@ -427,6 +447,7 @@ class Reference:
             path = self.dir / m["graphs"][graph]["file"]
             return ort.InferenceSession(str(path), opts, providers=["CPUExecutionProvider"])
 
+        self._session = session
         self.talker = session(m["talker"]["graph"])
         self.predictor = session(m["code_predictor"]["graph"])
         self.vocoder = session(m["vocoder"]["graph"])
@@ -655,6 +676,62 @@ class Reference:
             raise RuntimeError(f"vocoder gave {wav.shape[0]} samples for {codes.shape[0]} frames")
         return wav
 
+    @property
+    def vocoder_stream(self):
+        """The onnxruntime session of the ``[vocoder] stream_graph`` (opened on first use).
+
+        Raises ValueError when the bundle has no stream graph.
+        """
+        if self.stream_graph is None:
+            raise ValueError(f"{self.dir}: the bundle has no [vocoder] stream_graph (only the windowed vocoder)")
+        if self._vocoder_stream is None:
+            self._vocoder_stream = self._session(self.stream_graph)
+        return self._vocoder_stream
+
+    def stream_states(self) -> list[tuple[str, np.dtype, tuple[int, ...]]]:
+        """The carried states of the stream graph from the manifest: (name without ``state.``, dtype, shape).
+
+        Read from ``[graphs.<stream_graph>].inputs`` (every input after ``codes``), in graph order.
+        Raises ValueError when the bundle has no stream graph, RuntimeError when the manifest's
+        inputs are not ``codes`` then ``state.*`` with fixed shapes, or disagree with the graph file.
+        """
+        sess = self.vocoder_stream
+        ins = self.manifest["graphs"][self.stream_graph]["inputs"]
+        if [i.name for i in sess.get_inputs()] != [i["name"] for i in ins]:
+            raise RuntimeError(f"{self.stream_graph}: the manifest's inputs differ from the graph file's")
+        if not ins or ins[0]["name"] != "codes":
+            raise RuntimeError(f"{self.stream_graph}: the first input is not codes")
+        states = []
+        for i in ins[1:]:
+            if not i["name"].startswith("state.") or not all(isinstance(d, int) for d in i["shape"]):
+                raise RuntimeError(f"{self.stream_graph}: input {i['name']} is not a state.* of fixed shape")
+            states.append((i["name"][len("state."):], np.dtype(NAME_TO_NP[i["dtype"]]), tuple(i["shape"])))
+        return states
+
+    def vocode_stateful(self, codes: np.ndarray, ramp: list[int] | None = None) -> np.ndarray:
+        """Stateful vocoding of codes [F, 16] -> float32 [F * samples_per_frame] in [-1, 1].
+
+        Chunks of ``ramp`` frames (default: the bundle's ``[vocoder] ramp``; the last entry
+        repeats) go through the stream graph, each with the state the previous chunk returned
+        (zeros for the first). Raises ValueError when the bundle has no stream graph or the ramp
+        is empty or not positive.
+        """
+        from herald_export.vocoder import decode_stateful
+
+        codes = np.asarray(codes, dtype=np.int64).reshape(-1, self.num_codebooks)
+        ramp = self.default_ramp if ramp is None else list(ramp)
+        sess = self.vocoder_stream
+        states = self.stream_states()
+        names = [o.name for o in sess.get_outputs()]
+
+        def run(feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+            return dict(zip(names, sess.run(None, feeds)))
+
+        wav = decode_stateful(run, states, codes.T[None], ramp, self.samples_per_frame)
+        if wav.shape[0] != codes.shape[0] * self.samples_per_frame:
+            raise RuntimeError(f"vocoder gave {wav.shape[0]} samples for {codes.shape[0]} frames")
+        return wav
+
 
 def pcm16(wav: np.ndarray) -> np.ndarray:
     """float32 -> int16: x clamped to [-1, 1], then float64(x) * 32767 rounded half away from zero."""
@@ -699,8 +776,10 @@ def main(argv: list[str] | None = None) -> int:
     g.add_argument("--seed", type=int, help="sample with SplitMix64 seeded with N")
     ap.add_argument("--max-frames", type=int, help="frame limit (overrides the text-length cap)")
     ap.add_argument("--force-eos-at", type=int, help="test hook: force eos at frame N (N frames are produced)")
+    ap.add_argument("--vocoder", choices=VOCODERS,
+                    help="stateful (the bundle's [vocoder] stream_graph; the default when it has one) or windowed")
     ap.add_argument("--ramp", type=_ramp, help="vocoder chunk ramp, e.g. 2,4,8,16,25 (default: bundle)")
-    ap.add_argument("--left-context", type=int, help="vocoder left context frames (default: bundle)")
+    ap.add_argument("--left-context", type=int, help="windowed vocoder left context frames (default: bundle)")
     ap.add_argument("--codes-out", type=Path, help="write codes int64 [frames, 16] as .npy")
     ap.add_argument("--wav-out", type=Path, help="write 16-bit PCM mono WAV")
     ap.add_argument("--wav-npy", type=Path, help="write the float32 waveform as .npy")
@@ -716,6 +795,11 @@ def main(argv: list[str] | None = None) -> int:
         if not (args.bundle / "bundle.toml").is_file():
             raise ValueError(f"{args.bundle}: not a herald bundle (no bundle.toml)")
         ref = Reference(args.bundle)
+        vocoder = args.vocoder or ("stateful" if ref.stream_graph else "windowed")
+        if vocoder == "stateful" and ref.stream_graph is None:
+            raise ValueError(f"{args.bundle}: --vocoder stateful needs a bundle with a [vocoder] stream_graph")
+        if vocoder == "stateful" and args.left_context is not None:
+            raise ValueError("--left-context applies to the windowed vocoder only (add --vocoder windowed)")
         gen = ref.generate(args.text, args.language, args.speaker, args.mode, greedy=args.seed is None,
                            seed=args.seed, max_frames=args.max_frames, force_eos_at=args.force_eos_at)
     except ValueError as e:
@@ -726,7 +810,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.codes_out:
         np.save(args.codes_out, gen.codes)
     if args.wav_out or args.wav_npy:
-        wav = ref.vocode(gen.codes, args.ramp, args.left_context)
+        if vocoder == "stateful":
+            wav = ref.vocode_stateful(gen.codes, args.ramp)
+        else:
+            wav = ref.vocode(gen.codes, args.ramp, args.left_context)
         if args.wav_out:
             write_wav(args.wav_out, wav, ref.sample_rate)
         if args.wav_npy:

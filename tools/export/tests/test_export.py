@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import shutil
@@ -21,7 +22,9 @@ from safetensors.numpy import load_file, save_file
 from herald_export.checkpoint import LMWeights, load_spec
 from herald_export.host import StackCache, StaleStep, step
 from herald_export.lm import lm_forward_numpy
+from herald_export.onnx_graph import io_signature
 from herald_export.st_io import SafetensorsFile, write_safetensors
+from herald_export.vocoder import decode_stateful, stream_states
 
 EXPORT_DIR = Path(__file__).resolve().parents[1]
 
@@ -180,7 +183,7 @@ AXES_INPUT = {"Unsqueeze": 1, "Squeeze": 1, "Slice": 3, "ReduceSum": 1}
 
 def test_graphs_are_clean(tiny):
     preset, bundle, _ = tiny
-    for name in ("talker", "code_predictor", "vocoder"):
+    for name in ("talker", "code_predictor", "vocoder", "vocoder_stream"):
         m = onnx.load(str(bundle / f"{name}.onnx"))
         onnx.checker.check_model(m, full_check=True)
         inits = {i.name: i for i in m.graph.initializer}
@@ -264,6 +267,37 @@ def test_manifest_is_consistent_with_files(tiny):
     assert np.abs(tables["text_embedding"][ids] - ref).max() <= 1e-5
     kinds = [c["kind"] for c in m["talker"]["cache"]]
     assert ("sliding" in kinds) == (preset == "tiny-hybrid")
+
+
+def test_bundle_has_stream_vocoder(tiny):
+    """vocoder_stream.onnx is in the bundle, [vocoder].stream_graph names it, [graphs.vocoder_stream]
+    records its IO exactly, and it decodes chunk by chunk to what vocoder.onnx gives in one pass."""
+    preset, bundle, _ = tiny
+    m = tomllib.loads((bundle / "bundle.toml").read_text())
+    assert m["vocoder"]["graph"] == "vocoder" and m["vocoder"]["stream_graph"] == "vocoder_stream"
+    g = m["graphs"][m["vocoder"]["stream_graph"]]
+    path = bundle / g["file"]
+    assert g["file"] == "vocoder_stream.onnx" and path.is_file()
+    assert g["sha256"] == hashlib.sha256(path.read_bytes()).hexdigest()
+    model = onnx.load(str(path))
+    sig = io_signature(model)
+    assert g["inputs"] == sig["inputs"] and g["outputs"] == sig["outputs"]
+    states = stream_states(model)
+    assert [i["name"] for i in g["inputs"]] == ["codes"] + [f"state.{n}" for n, _, _ in states]
+    assert [o["name"] for o in g["outputs"]] == ["wav"] + [f"next.{n}" for n, _, _ in states]
+    assert g["inputs"][0] == m["graphs"]["vocoder"]["inputs"][0]
+    assert g["outputs"][0] == m["graphs"]["vocoder"]["outputs"][0]
+    for i, o in zip(g["inputs"][1:], g["outputs"][1:]):
+        assert i["dtype"] == o["dtype"] and i["shape"] == o["shape"] and all(isinstance(d, int) for d in i["shape"])
+    assert g["inputs"][1] == {"name": "state.position", "dtype": "int64", "shape": [1]}
+
+    codes = np.random.default_rng(5).integers(0, 2048, (1, 16, 40), dtype=np.int64)
+    full = session(bundle / "vocoder.onnx").run(["wav"], {"codes": codes})[0].reshape(-1)
+    sess = session(path)
+    names = [o.name for o in sess.get_outputs()]
+    got = decode_stateful(lambda feeds: dict(zip(names, sess.run(None, feeds))), states, codes, m["vocoder"]["ramp"],
+                          m["audio"]["samples_per_frame"])
+    assert got.shape == full.shape and float(np.max(np.abs(got - full))) <= 1e-5
 
 
 def test_tiny_bundle_size_and_export_time(tmp_path):

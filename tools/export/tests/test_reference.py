@@ -8,12 +8,16 @@ from __future__ import annotations
 
 import contextlib
 import math
+import shutil
 import sys
+import tomllib
 import wave
 from pathlib import Path
 
 import numpy as np
+import onnx
 import pytest
+import tomli_w
 from safetensors.numpy import load_file
 from tokenizers import Tokenizer
 
@@ -23,6 +27,7 @@ import reference as R  # noqa: E402
 from herald_export.checkpoint import LMWeights, load_spec  # noqa: E402
 from herald_export.host import StackCache, step  # noqa: E402
 from herald_export.lm import lm_forward_numpy  # noqa: E402
+from herald_export.vocoder import stream_states  # noqa: E402
 
 # Text-side ids (qwen3-tts.md §1.4) and codec-side ids (§1.3) of the official checkpoints,
 # which the tiny presets copy.
@@ -357,6 +362,60 @@ def test_fp16_bundle_runs(tiny_factory):
 
 
 # ---------------------------------------------------------------------------------------------
+# Stateful vocoding (the bundle's [vocoder] stream_graph)
+# ---------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("frames", [1, 37, 160])
+def test_stateful_vocoding_equals_single_pass(tiny, frames):
+    """Chunks through vocoder_stream.onnx with carried state = one pass of vocoder.onnx, any ramp."""
+    _, bundle, _ = tiny
+    ref = load_ref(bundle)
+    assert ref.stream_graph == "vocoder_stream"
+    assert ref.stream_states() == stream_states(onnx.load(str(bundle / "vocoder_stream.onnx")))
+    codes = np.random.default_rng(frames).integers(0, 2048, (frames, 16), dtype=np.int64)
+    once = ref.vocode_once(codes)
+    for ramp in (None, [1], [1, 2, 3, 25], [80]):
+        wav = ref.vocode_stateful(codes, ramp)
+        assert wav.dtype == np.float32 and wav.shape == (frames * 1920,) and np.all(np.abs(wav) <= 1.0)
+        err = float(np.max(np.abs(wav - once)))
+        assert err <= 1e-5, (ramp, err)
+    assert ref.vocode_stateful(np.zeros((0, 16), np.int64)).shape == (0,)
+    with pytest.raises(ValueError, match="ramp"):
+        ref.vocode_stateful(codes, [])
+
+
+@pytest.fixture(scope="module")
+def windowed_only(tiny_factory, tmp_path_factory) -> Path:
+    """A copy of tiny-0.6b as a bundle without the stream graph (only [vocoder] graph)."""
+    src, _ = tiny_factory("tiny-0.6b")
+    out = tmp_path_factory.mktemp("windowed_only") / "bundle"
+    shutil.copytree(src, out)
+    m = tomllib.loads((out / "bundle.toml").read_text())
+    del m["vocoder"]["stream_graph"]
+    (out / m["graphs"].pop("vocoder_stream")["file"]).unlink()
+    (out / "bundle.toml").write_text(tomli_w.dumps(m))
+    return out
+
+
+def test_bundle_without_stream_graph(windowed_only, tmp_path, capsys):
+    ref = R.Reference(windowed_only, threads=2)
+    assert ref.stream_graph is None
+    codes = np.random.default_rng(1).integers(0, 2048, (9, 16), dtype=np.int64)
+    with pytest.raises(ValueError, match="no \\[vocoder\\] stream_graph"):
+        ref.vocode_stateful(codes)
+    assert ref.vocode(codes).shape == (9 * 1920,)
+    # the command line falls back to the windowed vocoder, and refuses an explicit stateful one
+    wnpy, cnpy = tmp_path / "w.npy", tmp_path / "c.npy"
+    args = ["--bundle", str(windowed_only), "--text", "Hi", "--force-eos-at", "5", "--codes-out", str(cnpy),
+            "--wav-npy", str(wnpy)]
+    assert R.main(args + ["--ramp", "1,3", "--left-context", "2"]) == 0
+    np.testing.assert_array_equal(np.load(wnpy), ref.vocode(np.load(cnpy), [1, 3], 2))
+    capsys.readouterr()
+    assert R.main(args + ["--vocoder", "stateful"]) == 2
+    assert "needs a bundle with a [vocoder] stream_graph" in capsys.readouterr().err
+
+
+# ---------------------------------------------------------------------------------------------
 # WAV and command line
 # ---------------------------------------------------------------------------------------------
 
@@ -369,7 +428,7 @@ def test_cli(small, tmp_path, capsys):
     _, bundle, _, _ = small
     codes, wav, wnpy = tmp_path / "c.npy", tmp_path / "a.wav", tmp_path / "a.npy"
     rc = R.main(["--bundle", str(bundle), "--text", "Hello world.", "--language", "english", "--speaker", "ryan",
-                 "--seed", "5", "--max-frames", "6", "--ramp", "2,4", "--left-context", "3",
+                 "--seed", "5", "--max-frames", "6", "--vocoder", "windowed", "--ramp", "2,4", "--left-context", "3",
                  "--codes-out", str(codes), "--wav-out", str(wav), "--wav-npy", str(wnpy)])
     assert rc == 0
     c, x = np.load(codes), np.load(wnpy)
@@ -384,6 +443,18 @@ def test_cli(small, tmp_path, capsys):
     np.testing.assert_array_equal(c, ref.generate("Hello world.", "english", "ryan", greedy=False, seed=5,
                                                   max_frames=6).codes)
     np.testing.assert_array_equal(x, ref.vocode(c, [2, 4], 3))
+
+    # the default vocoder of a bundle with a stream graph is the stateful one
+    base = ["--bundle", str(bundle), "--text", "Hi", "--force-eos-at", "7", "--codes-out", str(codes)]
+    assert R.main(base + ["--wav-npy", str(wnpy)]) == 0
+    c = np.load(codes)
+    np.testing.assert_array_equal(np.load(wnpy), ref.vocode_stateful(c))
+    assert R.main(base + ["--wav-npy", str(wnpy), "--vocoder", "stateful", "--ramp", "1,2"]) == 0
+    np.testing.assert_array_equal(np.load(wnpy), ref.vocode_stateful(c, [1, 2]))
+    assert float(np.max(np.abs(np.load(wnpy) - ref.vocode_once(c)))) <= 1e-5
+    capsys.readouterr()
+    assert R.main(base + ["--wav-npy", str(wnpy), "--left-context", "3"]) == 2
+    assert "--left-context applies to the windowed vocoder only" in capsys.readouterr().err
 
     assert R.main(["--bundle", str(bundle), "--text", "Hi", "--force-eos-at", "2", "--codes-out", str(codes)]) == 0
     assert np.load(codes).shape == (2, 16)

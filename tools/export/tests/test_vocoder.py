@@ -1,9 +1,10 @@
 """Tests of the vocoder exporter (herald_export.vocoder) on a tiny random checkpoint.
 
 The ONNX graph (onnxruntime) is compared with the plain numpy transcription of the official
-decoder; causality, exact output lengths, windowed decoding, graph hygiene and the errors on bad
-input are checked. ``pytest -s`` prints the windowed-decoding SNR and the onnxruntime time for
-300 frames; both are also kept in :data:`RESULTS`.
+decoder; causality, exact output lengths, windowed decoding, stateful (streaming) decoding, graph
+hygiene and the errors on bad input are checked. ``pytest -s`` prints the windowed-decoding SNR,
+the stateful-decoding max abs difference and SNR, and the onnxruntime time for 300 frames; all
+are also kept in :data:`RESULTS`.
 """
 
 from __future__ import annotations
@@ -68,6 +69,30 @@ def _session(model: onnx.ModelProto):
 @pytest.fixture(scope="module")
 def run(model):
     return _session(model)
+
+
+@pytest.fixture(scope="module")
+def stream_model(vw) -> onnx.ModelProto:
+    return V.build_vocoder_graph(vw, stateful=True)
+
+
+def _stream_session(model: onnx.ModelProto):
+    """A ``run`` for :func:`V.decode_stateful`: feeds dict -> {output name: array}."""
+    so = ort.SessionOptions()
+    so.intra_op_num_threads = 2
+    so.inter_op_num_threads = 1
+    sess = ort.InferenceSession(model.SerializeToString(), so, providers=["CPUExecutionProvider"])
+    names = [o.name for o in sess.get_outputs()]
+
+    def run(feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        return dict(zip(names, sess.run(None, feeds)))
+
+    return run
+
+
+@pytest.fixture(scope="module")
+def run_stream(stream_model):
+    return _stream_session(stream_model)
 
 
 def _codes(T: int, seed: int = 0) -> np.ndarray:
@@ -248,6 +273,176 @@ def test_decode_windowed_rejects_wrong_length():
         V.decode_windowed(lambda c: np.zeros((1, c.shape[2] * HOP - 1), np.float32), _codes(5))
 
 
+# --------------------------------------------------------------------------- stateful (streaming) decoding
+
+#: Ramps of the stateful tests: chunks of one frame, the default ramp, a mixed ramp, steady chunks
+#: of 7 and 25, and chunks longer than the carried sliding_window - 1 = 71 frames of keys/values.
+STREAM_RAMPS = [(1,), V.DEFAULT_RAMP, (1, 2, 3, 25), (7,), (25,), (100,)]
+
+_single: dict[int, np.ndarray] = {}
+
+
+def _single_pass(run, T: int) -> np.ndarray:
+    """One onnxruntime pass of the windowed graph over ``_codes(T, seed=T)``, flat [T * HOP] (cached)."""
+    if T not in _single:
+        _single[T] = run(_codes(T, seed=T))[0]
+    return _single[T]
+
+
+def _expected_states(vw) -> list[tuple[str, np.dtype, tuple[int, ...]]]:
+    """The carried states by the formula, in graph order, from the checkpoint's tensor shapes.
+
+    A causal conv with kernel k and dilation d keeps its last (k-1)*d input samples (a 1x1 conv
+    keeps none); a transposed conv with k = 2r, stride r keeps 1 input sample (k = stride keeps
+    none); each attention layer keeps the rotated keys and the values of sliding_window - 1
+    frames for every query head (repeat_kv is folded into the weights); position is int64 [1].
+    """
+    c = vw.config
+    f32 = np.dtype(np.float32)
+
+    def conv(name: str, tensor: str, dilation: int = 1, groups: int = 1):
+        _cout, cin_g, k = vw.t(tensor).shape
+        return (name, f32, (1, cin_g * groups, (k - 1) * dilation))
+
+    out = [("position", np.dtype(np.int64), (1,)), conv("pre_conv", "pre_conv.conv.weight")]
+    for i in range(c.num_hidden_layers):
+        for kv in ("k", "v"):
+            out.append((f"layer{i}.{kv}", f32, (1, c.num_attention_heads, c.sliding_window - 1, c.head_dim)))
+    for i, f in enumerate(c.upsampling_ratios):
+        assert vw.t(f"upsample.{i}.0.conv.weight").shape[-1] == f  # kernel == stride: nothing carried
+        out.append(conv(f"upsample{i}.dwconv", f"upsample.{i}.1.dwconv.conv.weight", groups=c.latent_dim))
+    out.append(conv("decoder0", "decoder.0.conv.weight"))
+    for bi, (cin, _cout, r) in enumerate(c.block_dims(), start=1):
+        w = vw.t(f"decoder.{bi}.block.1.conv.weight")  # [cin, cout, 2r]
+        assert w.shape[-1] == 2 * r
+        out.append((f"block{bi}.up", f32, (1, cin, 1)))
+        for u, dil in enumerate(V.RESIDUAL_DILATIONS):
+            out.append(conv(f"block{bi}.res{u}", f"decoder.{bi}.block.{u + 2}.conv1.conv.weight", dilation=dil))
+    nb = len(c.upsample_rates)
+    out.append(conv("out", f"decoder.{nb + 2}.conv.weight"))
+    return out
+
+
+def test_stream_plan():
+    assert V.stream_plan(100) == [(0, 2), (2, 6), (6, 14), (14, 30), (30, 55), (55, 80), (80, 100)]
+    assert V.stream_plan(3, (1,)) == [(0, 1), (1, 2), (2, 3)]
+    assert V.stream_plan(0) == []
+    with pytest.raises(ValueError):
+        V.stream_plan(5, ())
+
+
+def test_stream_state_shapes_follow_the_formula(vw, stream_model):
+    states = V.stream_states(stream_model)
+    assert states == _expected_states(vw)
+    assert dict((n, s) for n, _, s in states)["block1.res2"] == (1, 32, 6 * 9)  # (7 - 1) * dilation 9
+    sig = io_signature(stream_model)
+    assert sig["inputs"][0] == {"name": "codes", "dtype": "int64", "shape": [1, 16, "frames"]}
+    assert sig["outputs"][0] == {"name": "wav", "dtype": "float32", "shape": [1, "samples"]}
+    ins, outs = sig["inputs"][1:], sig["outputs"][1:]
+    assert [i["name"] for i in ins] == [f"state.{n}" for n, _, _ in states]
+    assert [o["name"] for o in outs] == [f"next.{n}" for n, _, _ in states]
+    for i, o, (_, dt, shape) in zip(ins, outs, states):
+        assert i["dtype"] == o["dtype"] == dt.name and i["shape"] == o["shape"] == list(shape), (i, o)
+    floats = sum(math.prod(s) for _, dt, s in states if dt == np.float32)
+    RESULTS["stream_state_floats"] = floats
+    print(f"\nvocoder_stream: {len(states)} states, {floats} float32 values ({floats * 4 / 1024:.1f} KiB), tiny model")
+
+
+def test_stream_next_state_and_position(vw, stream_model, run_stream):
+    """Every next.* has its state's dtype and shape; next.position counts the frames decoded."""
+    states = V.stream_states(stream_model)
+    codes = _codes(90, seed=90)
+    cur = {f"state.{n}": np.zeros(s, dt) for n, dt, s in states}
+    for s, e in V.stream_plan(90, (1, 2, 3, 80)):
+        res = run_stream({"codes": codes[:, :, s:e], **cur})
+        assert res["wav"].shape == (1, (e - s) * HOP) and res["wav"].dtype == np.float32
+        assert res["next.position"].dtype == np.int64 and res["next.position"].tolist() == [e]
+        for n, dt, shape in states:
+            nxt = res[f"next.{n}"]
+            assert nxt.dtype == dt and nxt.shape == shape, (n, nxt.dtype, nxt.shape)
+            assert np.all(np.isfinite(nxt))
+            cur[f"state.{n}"] = nxt
+    # the carried keys/values are the last 71 frames' (the utterance is longer than the window)
+    assert np.any(cur["state.layer1.k"][:, :, 0] != 0)
+
+
+@pytest.mark.parametrize("ramp", STREAM_RAMPS, ids=lambda r: "ramp" + "-".join(map(str, r)))
+@pytest.mark.parametrize("T", [1, 2, 300, 1000])
+def test_stateful_equals_single_pass(stream_model, run, run_stream, T, ramp):
+    """Concatenated stateful chunks = one single pass of the windowed graph, for any chunking."""
+    full = _single_pass(run, T)
+    got = V.decode_stateful(run_stream, V.stream_states(stream_model), _codes(T, seed=T), ramp)
+    assert got.shape == full.shape == (T * HOP,) and got.dtype == np.float32
+    err = float(np.max(np.abs(got - full)))
+    RESULTS["stateful_max_abs"] = max(RESULTS.get("stateful_max_abs", 0.0), err)
+    assert err <= 1e-5, err
+
+
+def test_stateful_matches_numpy(vw, stream_model, run_stream):
+    T = 40  # chunks 1, 2, 3, 25, 9
+    codes = _codes(T, seed=41)
+    got = V.decode_stateful(run_stream, V.stream_states(stream_model), codes, (1, 2, 3, 25))
+    ref = V.vocoder_numpy(vw, codes[0])
+    err = float(np.max(np.abs(got - ref)))
+    RESULTS["stateful_vs_numpy_max_abs"] = err
+    assert err <= 1e-4, err
+
+
+def test_stateful_gqa_variant(tmp_path):
+    """repeat_kv folded and carried: fewer KV heads than query heads, chunks across the window."""
+    cfg = V.tiny_speech_tokenizer_config()
+    cfg["decoder_config"]["num_key_value_heads"] = 2
+    V.write_tiny_speech_tokenizer(tmp_path, np.random.default_rng(3), config=cfg)
+    w = V.load_vocoder(tmp_path)
+    sm = V.build_vocoder_graph(w, stateful=True)
+    assert V.stream_states(sm) == _expected_states(w)
+    codes = _codes(110, seed=110)
+    full = _session(V.build_vocoder_graph(w))(codes)[0]
+    got = V.decode_stateful(_stream_session(sm), V.stream_states(sm), codes, (1, 2, 3, 25))
+    assert float(np.max(np.abs(got - full))) <= 1e-5
+
+
+def test_stateful_snr_300_frames(stream_model, run, run_stream):
+    """Windowed decoding (default ramp, 72 frames of context) vs stateful decoding, both against one pass."""
+    codes = _codes(300, seed=300)
+    full = run(codes)[0]
+    win = V.decode_windowed(run, codes)
+    t0 = time.perf_counter()
+    st = V.decode_stateful(run_stream, V.stream_states(stream_model), codes)
+    RESULTS["stateful_300_frames_s"] = time.perf_counter() - t0
+    snr_win, snr_st = V.snr_db(full, win), V.snr_db(full, st)
+    RESULTS["windowed72_vs_single_snr_db"] = snr_win
+    RESULTS["stateful_vs_single_snr_db"] = snr_st
+    RESULTS["stateful_300_max_abs"] = float(np.max(np.abs(st - full)))
+    print(f"\nvocoder, 300 frames, ramp {V.DEFAULT_RAMP} vs one pass: windowed (72 frames of context) SNR "
+          f"{snr_win:.2f} dB, max abs {float(np.max(np.abs(win - full))):.3g}; stateful SNR {snr_st:.2f} dB, "
+          f"max abs {RESULTS['stateful_300_max_abs']:.3g} ({RESULTS['stateful_300_frames_s'] * 1000:.0f} ms)")
+    if "stateful_max_abs" in RESULTS:  # test_stateful_equals_single_pass ran first (file order)
+        print(f"vocoder: stateful vs one pass, 1/2/300/1000 frames x ramps {STREAM_RAMPS}: worst max abs "
+              f"{RESULTS['stateful_max_abs']:.3g}")
+    assert snr_st > 90.0 and snr_st > snr_win
+
+
+def test_decode_stateful_rejects_bad_runs(stream_model):
+    states = V.stream_states(stream_model)
+
+    def short(feeds):
+        n = feeds["codes"].shape[2]
+        nxt = {f"next.{k}": feeds[f"state.{k}"] for k, _, _ in states}
+        return {"wav": np.zeros((1, n * HOP - 1), np.float32), **nxt}
+
+    def forgetful(feeds):
+        return {"wav": np.zeros((1, feeds["codes"].shape[2] * HOP), np.float32)}
+
+    with pytest.raises(ValueError, match="samples"):
+        V.decode_stateful(short, states, _codes(5))
+    with pytest.raises(ValueError, match="next.position"):
+        V.decode_stateful(forgetful, states, _codes(5))
+    with pytest.raises(ValueError, match="codes"):
+        V.decode_stateful(forgetful, states, np.zeros((2, 16, 3), np.int64))
+    assert V.decode_stateful(forgetful, states, _codes(0)).shape == (0,)
+
+
 # --------------------------------------------------------------------------- graph hygiene
 
 
@@ -259,7 +454,8 @@ PLAIN_OPS = {
 }
 
 
-def test_graph_hygiene(model):
+def _check_hygiene(model: onnx.ModelProto) -> None:
+    """Full onnx check, opset 17, plain ops only, no NaN guards, no allowzero Reshape, no rank-0 axes."""
     onnx.checker.check_model(model, full_check=True)
     g = model.graph
     ops = {n.op_type for n in g.node}
@@ -278,10 +474,19 @@ def test_graph_hygiene(model):
                 assert i not in rank0
     for t in g.initializer:
         assert t.data_type in (onnx.TensorProto.FLOAT, onnx.TensorProto.INT64), t.name
+    assert model.opset_import[0].version == 17
+
+
+def test_graph_hygiene(model):
+    _check_hygiene(model)
     sig = io_signature(model)
     assert sig["inputs"] == [{"name": "codes", "dtype": "int64", "shape": [1, 16, "frames"]}]
     assert sig["outputs"] == [{"name": "wav", "dtype": "float32", "shape": [1, "samples"]}]
-    assert model.opset_import[0].version == 17
+
+
+def test_stream_graph_hygiene(stream_model):
+    _check_hygiene(stream_model)
+    assert stream_model.graph.name == "herald_vocoder_stream"
 
 
 # --------------------------------------------------------------------------- bad input
