@@ -253,8 +253,17 @@ settings! {
         /// board is used if one is stored (`runtime.calibration_dir`). In a variable:
         /// comma-separated, `2,4,8` (brackets allowed).
         ramp: Vec<usize> = vec![2, 4, 8, 16, 25], Ramp, cli ramp;
-        /// Frames of already-played audio the vocoder sees before each chunk, so that chunk
-        /// borders are seamless. Less is faster and may be audible at the borders.
+        /// How the vocoder turns chunks of frames into sound. `stateful`: each chunk is decoded
+        /// once, the decoder's state carried from the previous chunk; the result equals decoding
+        /// the whole utterance at once, and a chunk costs in proportion to its length (needs a
+        /// bundle with a stream graph, docs/bundle.md). `windowed`: each chunk is decoded again
+        /// together with `left_context` frames before it (several times the work, close to but not
+        /// exactly seamless). `auto`: `stateful` when the bundle has a stream graph, else
+        /// `windowed`.
+        vocoder: VocoderChoice = VocoderChoice::Auto, OneOf, cli vocoder;
+        /// Frames of already-played audio the windowed vocoder sees before each chunk, so that
+        /// chunk borders are seamless. Less is faster and may be audible at the borders. The
+        /// stateful vocoder needs none and ignores it.
         left_context: usize = 72, Within(LEFT_CONTEXT), cli left_context;
         /// The most positions the talker's KV cache may hold (prompt + frames); the cache grows by
         /// doubling up to it (docs/engine.md), and herald lowers it to what fits in this board's
@@ -544,6 +553,29 @@ named! {
         Streaming = "streaming",
         /// The whole text is in the prefill.
         NonStreaming = "non-streaming",
+    }
+}
+
+named! {
+    /// `synthesis.vocoder`: which vocoder graph decodes the frames.
+    VocoderChoice {
+        /// `stateful` when the bundle has a stream graph, else `windowed`.
+        Auto = "auto",
+        /// The stream graph, its state carried between chunks (exact, one pass per frame).
+        Stateful = "stateful",
+        /// The windowed graph, `left_context` frames decoded again before every chunk.
+        Windowed = "windowed",
+    }
+}
+
+impl VocoderChoice {
+    /// The engine's form: `None` lets the bundle choose.
+    pub fn form(self) -> Option<model::backend::VocoderForm> {
+        match self {
+            VocoderChoice::Auto => None,
+            VocoderChoice::Stateful => Some(model::backend::VocoderForm::Stateful),
+            VocoderChoice::Windowed => Some(model::backend::VocoderForm::Windowed),
+        }
     }
 }
 

@@ -158,6 +158,7 @@ pub fn tune_for(cfg: &Config, dir: &Path, m: &Manifest, profile: HardwareProfile
         kv_capacity: usize::try_from(derived.kv_capacity).unwrap_or(usize::MAX).max(64),
         ramp: Some(ramp),
         left_context: Some(cfg.synthesis.left_context),
+        vocoder: cfg.synthesis.vocoder.form(),
         talker_cpus,
         vocoder_cpus,
         pool_bytes: cfg.runtime.frame_pool_mib << 20,

@@ -5,7 +5,7 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::Instant;
 
-use model::backend::{Backend, LoadedGraphs};
+use model::backend::{Backend, LoadedGraphs, VocoderForm};
 use model::manifest::{Manifest, ManifestError};
 use model::prompt::{PromptError, Prompter};
 use tokenizers::Tokenizer;
@@ -55,28 +55,48 @@ pub struct Bundle {
     pub prompter: Arc<Prompter>,
     /// The three graphs, loaded by a backend.
     pub graphs: Box<dyn LoadedGraphs>,
+    /// The vocoder form the graphs were loaded with.
+    pub vocoder_form: VocoderForm,
     /// Seconds from open to ready.
     pub load_seconds: f64,
 }
 
 impl Bundle {
-    /// Open and validate a bundle directory and load its graphs with `backend`.
+    /// Open and validate a bundle directory and load its graphs with `backend`, the vocoder in
+    /// the bundle's default form ([`Manifest::default_vocoder_form`]: stateful when it has a
+    /// stream graph).
     ///
     /// # Errors
     /// Any [`EngineError`] of the loading stages, naming the file at fault.
     pub fn open(dir: &Path, backend: &dyn Backend) -> Result<Self, EngineError> {
+        Self::open_with(dir, backend, None)
+    }
+
+    /// [`Bundle::open`] with the vocoder in `form` (`None`: the bundle's default).
+    ///
+    /// # Errors
+    /// As [`Bundle::open`]; [`EngineError::Config`] when `form` is stateful and the bundle has
+    /// no stream graph.
+    pub fn open_with(dir: &Path, backend: &dyn Backend, form: Option<VocoderForm>) -> Result<Self, EngineError> {
         let t0 = Instant::now();
         let manifest = read_manifest(dir)?;
+        let vocoder_form = form.unwrap_or_else(|| manifest.default_vocoder_form());
+        if manifest.vocoder_graph(vocoder_form).is_none() {
+            return Err(EngineError::Config(format!(
+                "synthesis.vocoder = \"{vocoder_form}\", but {} has no stream graph ([vocoder].stream_graph): re-export the bundle with a current herald-export, or set synthesis.vocoder = \"windowed\"",
+                dir.join("bundle.toml").display()
+            )));
+        }
         let tables = Arc::new(Tables::open(dir, &manifest)?);
         let prompter = Arc::new(read_prompter(dir, &manifest).map_err(|e| EngineError::Bundle(e.to_string()))?);
         for (key, stack) in [("talker", &manifest.talker), ("code_predictor", &manifest.code_predictor)] {
             check_caches(dir, &manifest, key, stack)?;
         }
-        let graphs = backend.load(dir, &manifest)?;
+        let graphs = backend.load(dir, &manifest, vocoder_form)?;
         let load_seconds = t0.elapsed().as_secs_f64();
         let times = graphs.load_times();
         log::info!(
-            "bundle {}: {} {} {} loaded by {} in {:.2} s (talker {:.2} s, predictor {:.2} s, vocoder {:.2} s)",
+            "bundle {}: {} {} {} loaded by {} in {:.2} s (talker {:.2} s, predictor {:.2} s, {} vocoder {:.2} s)",
             dir.display(),
             manifest.model.family,
             manifest.model.size,
@@ -85,9 +105,10 @@ impl Bundle {
             load_seconds,
             times.talker,
             times.code_predictor,
+            vocoder_form,
             times.vocoder
         );
-        Ok(Bundle { dir: dir.to_owned(), manifest, tables, prompter, graphs, load_seconds })
+        Ok(Bundle { dir: dir.to_owned(), manifest, tables, prompter, graphs, vocoder_form, load_seconds })
     }
 }
 

@@ -335,7 +335,7 @@ impl Engine {
     /// # Errors
     /// Any loading error, naming the file at fault.
     pub fn load(dir: &std::path::Path, backend: &dyn Backend, settings: &EngineSettings) -> Result<Self, EngineError> {
-        let bundle = Arc::new(Bundle::open(dir, backend)?);
+        let bundle = Arc::new(Bundle::open_with(dir, backend, settings.vocoder)?);
         Self::with_bundle(bundle, settings)
     }
 
@@ -382,10 +382,22 @@ impl Engine {
         })
     }
 
+    /// Frames of left context the vocoder decodes before each chunk: the configured context for
+    /// the windowed vocoder, 0 for the stateful one (whose cost depends on the chunk only).
+    pub fn vocoder_left_context(&self) -> usize {
+        self.lock().vocoder.left_context
+    }
+
+    /// The vocoder form this engine decodes with.
+    pub fn vocoder_form(&self) -> model::backend::VocoderForm {
+        self.bundle.vocoder_form
+    }
+
     /// Median seconds the vocoder stage takes for one window of each length in `windows`
     /// (frames: left context + chunk; the graph decodes the whole window, so its cost depends on
-    /// the length only), over `runs` runs after one warm-up run, on the vocoder stage's CPUs. For
-    /// calibration: the first chunks of an utterance have little context and cost less.
+    /// the length only; for the stateful vocoder a window is a chunk, decoded after the state
+    /// the previous runs left), over `runs` runs after one warm-up run, on the vocoder stage's
+    /// CPUs. For calibration: the first chunks of an utterance have little context and cost less.
     ///
     /// # Errors
     /// [`EngineError::Config`] for a length of 0 or above left context + the ramp's largest
@@ -410,7 +422,9 @@ impl Engine {
                     let mut medians = Vec::with_capacity(windows.len());
                     for &w in windows {
                         let window: Vec<Frame> = vec![[0u32; CODEBOOKS]; w];
-                        let n = 1;
+                        // a stateful vocoder decodes the whole window as its chunk
+                        let n = if vocoder.left_context == 0 { w } else { 1 };
+                        out.resize(n * spf, 0.0);
                         vocoder.decode(&window, n, &mut out)?;
                         times.clear();
                         for _ in 0..runs.max(1) {
@@ -574,6 +588,7 @@ impl Engine {
                     let mut done_frames = 0usize;
                     let mut pending = 0usize;
                     window.clear();
+                    vocoder.reset();
                     loop {
                         if cancelled() {
                             return Err(EngineError::Cancelled);

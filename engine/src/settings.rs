@@ -1,6 +1,7 @@
 //! What an engine is built with ([`EngineSettings`]) and what one utterance asks for
 //! ([`Request`]), and why it ended ([`StopReason`]).
 
+use model::backend::VocoderForm;
 use model::prompt::PromptMode;
 
 /// Engine settings that do not come from the bundle.
@@ -10,8 +11,11 @@ pub struct EngineSettings {
     pub kv_capacity: usize,
     /// Chunk ramp in frames (default: the bundle's `vocoder.ramp`).
     pub ramp: Option<Vec<usize>>,
-    /// Vocoder left context in frames (default: the bundle's `vocoder.left_context_frames`).
+    /// Vocoder left context in frames of the windowed vocoder (default: the bundle's
+    /// `vocoder.left_context_frames`); the stateful vocoder needs none.
     pub left_context: Option<usize>,
+    /// Vocoder form (default: the bundle's, stateful when it carries a stream graph).
+    pub vocoder: Option<VocoderForm>,
     /// CPUs of the decode stage (talker + code predictor): its thread and its matrix-product
     /// threads are pinned there. Empty: unpinned, the process-wide executor.
     pub talker_cpus: Vec<usize>,
@@ -36,6 +40,7 @@ impl Default for EngineSettings {
             kv_capacity: 4096,
             ramp: None,
             left_context: None,
+            vocoder: None,
             talker_cpus: Vec::new(),
             vocoder_cpus: Vec::new(),
             pool_bytes: DEFAULT_POOL_BYTES,

@@ -123,7 +123,8 @@ fn whole_frames_stay_off_the_heap_after_the_first() {
     assert!(steady.into_iter().all(|n| n == served[2] && n > 1000), "blocks served per frame: {served:?}");
     println!("decode: heap allocations per frame {per_frame:?}; blocks served by the pool per frame: {}", served[2]);
 
-    // the vocoder over the pipeline's windows: the ramp, then steady windows of 72 + 25 frames
+    // the vocoder over the pipeline's windows: the ramp, then steady chunks of 25 frames
+    // (stateful, the default) or windows of 72 + 25 frames (windowed)
     let frames = vec![[5u32; 16]; 200];
     let mut voc = Vocoder::new(&b, 72, 25).unwrap();
     let mut out = vec![0f32; 25 * 1920];
@@ -132,7 +133,7 @@ fn whole_frames_stay_off_the_heap_after_the_first() {
     let mut done = 0;
     let mut chunks = Vec::new();
     for n in [2usize, 4, 8, 16, 25, 25, 25, 25, 25] {
-        let w = done.min(72) + n;
+        let w = done.min(voc.left_context) + n;
         let (r, heap) = count(|| voc.decode(&frames[done + n - w..done + n], n, &mut out[..n * 1920]));
         r.unwrap();
         g.trim();
@@ -167,7 +168,7 @@ fn the_pipeline_reports_its_threads_off_the_heap() {
         let mut last = 0;
         let mut changes = 0;
         for &(_, n) in &r.chunk_times {
-            let w = done.min(72) + n;
+            let w = done.min(engine.vocoder_left_context()) + n;
             changes += usize::from(w != last);
             last = w;
             done += n;

@@ -17,7 +17,7 @@ use backend_tract::Tract;
 use engine::{Engine, EngineError, EngineSettings, Request};
 use model::backend::{
     Backend, BackendError, KvStats, LoadTimes, LoadedGraphs, PinThread, StageCompute, StepError, StepOutput, StepSession, StepSpec,
-    VocoderError, VocoderSession,
+    VocoderError, VocoderForm, VocoderSession,
 };
 use model::frame::Frame;
 use model::manifest::Manifest;
@@ -45,6 +45,8 @@ struct Voc {
 struct Tape {
     steps: Mutex<HashMap<&'static str, VecDeque<Step>>>,
     vocoder: Mutex<VecDeque<Voc>>,
+    /// The vocoder form the recording was made with.
+    form: Mutex<Option<VocoderForm>>,
 }
 
 impl Tape {
@@ -62,8 +64,9 @@ impl Backend for Recorder {
     fn name(&self) -> &'static str {
         "recorder"
     }
-    fn load(&self, dir: &Path, manifest: &Manifest) -> Result<Box<dyn LoadedGraphs>, BackendError> {
-        Ok(Box::new(RecGraphs { inner: Tract.load(dir, manifest)?, tape: self.0.clone() }))
+    fn load(&self, dir: &Path, manifest: &Manifest, form: VocoderForm) -> Result<Box<dyn LoadedGraphs>, BackendError> {
+        *self.0.form.lock().unwrap() = Some(form);
+        Ok(Box::new(RecGraphs { inner: Tract.load(dir, manifest, form)?, tape: self.0.clone() }))
     }
 }
 
@@ -126,6 +129,12 @@ impl VocoderSession for RecVoc {
         self.tape.vocoder.lock().unwrap().push_back(Voc { window: window.to_vec(), n, out: out.to_vec() });
         Ok(())
     }
+    fn reset(&mut self) {
+        self.inner.reset()
+    }
+    fn form(&self) -> VocoderForm {
+        self.inner.form()
+    }
 }
 
 // ---- the replay: no graph at all, answers from the tape and checks every input
@@ -136,7 +145,7 @@ impl Backend for Replay {
     fn name(&self) -> &'static str {
         "replay"
     }
-    fn load(&self, _dir: &Path, _manifest: &Manifest) -> Result<Box<dyn LoadedGraphs>, BackendError> {
+    fn load(&self, _dir: &Path, _manifest: &Manifest, _form: VocoderForm) -> Result<Box<dyn LoadedGraphs>, BackendError> {
         Ok(Box::new(ReplayGraphs(self.0.clone())))
     }
 }
@@ -214,6 +223,10 @@ impl VocoderSession for ReplayVoc {
         }
         out.copy_from_slice(&rec.out);
         Ok(())
+    }
+    fn reset(&mut self) {}
+    fn form(&self) -> VocoderForm {
+        self.0.form.lock().unwrap().unwrap_or(VocoderForm::Windowed)
     }
 }
 

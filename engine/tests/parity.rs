@@ -19,6 +19,7 @@ use engine::decoder::{self as synth, Decoder};
 use engine::vocoder::{Vocoder, vocode_all};
 use engine::{Engine, EngineSettings, Request};
 use model::ChunkSchedule;
+use model::backend::VocoderForm;
 use model::prompt::PromptMode;
 
 /// Minimal .npy reader for the C-ordered little-endian arrays the reference writes.
@@ -63,6 +64,7 @@ struct Case {
     force_eos_at: Option<usize>,
     ramp: Option<Vec<usize>>,
     left_context: Option<usize>,
+    vocoder: VocoderForm,
 }
 
 fn cases() -> Vec<Case> {
@@ -92,6 +94,7 @@ fn cases() -> Vec<Case> {
                 force_eos_at: None,
                 ramp: None,
                 left_context: None,
+                vocoder: VocoderForm::Stateful,
             });
         }
         let base = v.last().unwrap().clone();
@@ -103,13 +106,17 @@ fn cases() -> Vec<Case> {
             ..base.clone()
         });
         v.push(Case { id: format!("{preset}-eos3"), text: "Stop early.".into(), force_eos_at: Some(3), ..base.clone() });
-        // short context: windows cut history, chunk edges inside the transformer window
+        // one-frame chunks through the stateful vocoder
+        v.push(Case { id: format!("{preset}-chunk1"), text: "One frame at a time.".into(), ramp: Some(vec![1]), ..base.clone() });
+        // the windowed vocoder with a short context: windows cut history, chunk edges inside
+        // the transformer window
         v.push(Case {
             id: format!("{preset}-ctx5"),
             text: "Short context windows.".into(),
             max_frames: 17,
             ramp: Some(vec![1, 3]),
             left_context: Some(5),
+            vocoder: VocoderForm::Windowed,
             ..base
         });
     }
@@ -134,6 +141,7 @@ fn reference_outputs(cases: &[Case]) -> PathBuf {
                 "id": c.id, "bundle": common::bundle(c.preset), "text": c.text, "language": c.language,
                 "speaker": c.speaker, "mode": c.mode.as_str(), "seed": c.seed, "max_frames": c.max_frames,
                 "force_eos_at": c.force_eos_at, "ramp": c.ramp, "left_context": c.left_context,
+                "vocoder": c.vocoder.name(),
             })
         })
         .collect();
@@ -161,10 +169,13 @@ fn request(c: &Case) -> Request {
 fn codes_and_pcm_match_the_reference() {
     let cases = cases();
     let out = reference_outputs(&cases);
-    let mut bundles: HashMap<&str, Arc<Bundle>> = HashMap::new();
+    let mut bundles: HashMap<(&str, VocoderForm), Arc<Bundle>> = HashMap::new();
     let mut worst = 0f32;
     for c in &cases {
-        let b = bundles.entry(c.preset).or_insert_with(|| Arc::new(Bundle::open(&common::bundle(c.preset), &Tract).unwrap())).clone();
+        let b = bundles
+            .entry((c.preset, c.vocoder))
+            .or_insert_with(|| Arc::new(Bundle::open_with(&common::bundle(c.preset), &Tract, Some(c.vocoder)).unwrap()))
+            .clone();
         let meta: serde_json::Value =
             serde_json::from_str(&std::fs::read_to_string(out.join(format!("{}.json", c.id))).unwrap()).unwrap();
         assert!(meta.get("error").is_none(), "{}: reference rejected the case: {meta}", c.id);

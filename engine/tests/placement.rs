@@ -14,6 +14,7 @@ use std::sync::atomic::AtomicBool;
 
 use engine::placement::allowed_cpus;
 use engine::{Engine, EngineSettings, PlaybackMetrics, Request};
+use model::backend::VocoderForm;
 
 /// Thread name → `Cpus_allowed_list` of every thread of this process.
 fn thread_cpus() -> BTreeMap<String, Vec<String>> {
@@ -105,11 +106,20 @@ fn report_metrics_follow_the_chunk_timeline() {
 #[test]
 fn vocoder_cost_is_measured_per_chunk_size() {
     let _one = ONE_AT_A_TIME.lock().unwrap_or_else(|p| p.into_inner());
-    let e = Engine::load(&common::bundle("tiny-0.6b"), &Tract, &EngineSettings::default()).unwrap();
+    let windowed = EngineSettings { vocoder: Some(VocoderForm::Windowed), ..EngineSettings::default() };
+    let e = Engine::load(&common::bundle("tiny-0.6b"), &Tract, &windowed).unwrap();
+    assert_eq!(e.vocoder_left_context(), 72);
     let costs = e.vocoder_cost(&[1, 97], 3).unwrap();
     assert_eq!(costs.len(), 2);
     assert!(costs.iter().all(|&c| c > 0.0), "{costs:?}");
     // 72 frames of left context + the largest chunk, 25
     let err = e.vocoder_cost(&[98], 1).unwrap_err().to_string();
     assert!(err.contains("98") && err.contains("1..=97"), "{err}");
+    // stateful (the default): a window is a chunk, at most the largest, 25
+    let e = Engine::load(&common::bundle("tiny-0.6b"), &Tract, &EngineSettings::default()).unwrap();
+    assert_eq!((e.vocoder_form(), e.vocoder_left_context()), (VocoderForm::Stateful, 0));
+    let costs = e.vocoder_cost(&[1, 25], 3).unwrap();
+    assert!(costs.iter().all(|&c| c > 0.0), "{costs:?}");
+    let err = e.vocoder_cost(&[26], 1).unwrap_err().to_string();
+    assert!(err.contains("26") && err.contains("1..=25"), "{err}");
 }

@@ -13,7 +13,8 @@
 //! - [`LoadedGraphs::step_session`] gives one [`StepSession`] per stack and thread: a step graph
 //!   with its own KV caches, one sequence at a time (the talker keeps one per utterance, the
 //!   code predictor clears its cache every frame).
-//! - [`LoadedGraphs::vocoder_session`] gives a [`VocoderSession`] that decodes a window of frames.
+//! - [`LoadedGraphs::vocoder_session`] gives a [`VocoderSession`] that decodes a window of frames
+//!   (windowed) or a chunk with the decoder's state carried between calls (stateful).
 //! - [`LoadedGraphs::stage_compute`] gives the compute threads of one pipeline stage (pinned to
 //!   the stage's CPUs): the engine pins its own stage thread and runs the stage inside it.
 //!
@@ -190,15 +191,63 @@ pub trait StepSession: Send {
     fn last_stats(&self) -> KvStats;
 }
 
-/// The vocoder: decodes a window of frames to PCM.
+/// Which vocoder graph decodes a bundle's frames (`synthesis.vocoder`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum VocoderForm {
+    /// `[vocoder].graph`: every chunk is decoded together with up to `left_context` earlier
+    /// frames, whose samples are thrown away (the context is recomputed, 3.9× the work at the
+    /// default 72 + 25 frames; close to, not exactly, a single pass).
+    Windowed,
+    /// `[vocoder].stream_graph`: every chunk is decoded alone, the decoder's causal state
+    /// (convolution tails, the transformer's keys and values, the position) carried from the
+    /// previous chunk: one pass per frame, equal to a single pass over the utterance.
+    Stateful,
+}
+
+impl VocoderForm {
+    /// The configuration name: `windowed` or `stateful`.
+    pub fn name(self) -> &'static str {
+        match self {
+            VocoderForm::Windowed => "windowed",
+            VocoderForm::Stateful => "stateful",
+        }
+    }
+
+    /// Parse a configuration name (`windowed`, `stateful`); `None` for anything else.
+    pub fn parse(s: &str) -> Option<Self> {
+        match s {
+            "windowed" => Some(VocoderForm::Windowed),
+            "stateful" => Some(VocoderForm::Stateful),
+            _ => None,
+        }
+    }
+}
+
+impl fmt::Display for VocoderForm {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+/// The vocoder: decodes frames to PCM, a chunk at a time.
 pub trait VocoderSession: Send {
-    /// Decode `window` (context frames then the chunk's `n` frames, oldest first) and write the
-    /// chunk's `n × samples_per_frame` float32 samples in [-1, 1] into `out`.
+    /// Decode `window` and write the chunk's `n × samples_per_frame` float32 samples in
+    /// [-1, 1] into `out`. A windowed session takes context frames then the chunk's `n` frames
+    /// (oldest first); a stateful one takes exactly the chunk's `n` frames (`window.len() ==
+    /// n`) and continues from the state the previous call left.
     ///
     /// # Errors
-    /// [`VocoderError`] when the window is longer than the session was built for, the runtime
-    /// fails, or the graph returns another number of samples than the window needs.
+    /// [`VocoderError`] when the window is longer than the session was built for (or, stateful,
+    /// not exactly `n` frames), the runtime fails, or the graph returns another number of
+    /// samples than the window needs. A failed stateful call leaves the state unchanged.
     fn decode(&mut self, window: &[Frame], n: usize, out: &mut [f32]) -> Result<(), VocoderError>;
+
+    /// Start a new utterance: forget the carried state (a windowed session has none). Required
+    /// rather than defaulted, so that a session wrapping another cannot forget to pass it on.
+    fn reset(&mut self);
+
+    /// The form this session decodes in.
+    fn form(&self) -> VocoderForm;
 }
 
 /// Called on each compute thread of a stage as it starts: pins it to the stage's CPUs.
@@ -234,7 +283,8 @@ pub trait LoadedGraphs: Send + Sync + fmt::Debug {
     /// or the runtime cannot prepare a session.
     fn step_session(&self, spec: &StepSpec) -> Result<Box<dyn StepSession>, StepError>;
 
-    /// A vocoder session for windows of at most `max_window` frames.
+    /// A vocoder session in the form the graphs were loaded with ([`Backend::load`]), for
+    /// windows (windowed) or chunks (stateful) of at most `max_window` frames.
     ///
     /// # Errors
     /// [`VocoderError`] when the runtime cannot prepare it.
@@ -258,9 +308,10 @@ pub trait Backend: Send + Sync {
     fn name(&self) -> &'static str;
 
     /// Load the graphs `manifest` names from `dir` (the manifest is already validated, and its
-    /// files exist).
+    /// files exist): the two step graphs and the vocoder graph of `vocoder`'s form.
     ///
     /// # Errors
-    /// [`BackendError`] naming the graph file at fault.
-    fn load(&self, dir: &Path, manifest: &Manifest) -> Result<Box<dyn LoadedGraphs>, BackendError>;
+    /// [`BackendError`] naming the graph file at fault; [`BackendError::Unsupported`] when the
+    /// bundle has no graph of that form or the backend cannot run it.
+    fn load(&self, dir: &Path, manifest: &Manifest, vocoder: VocoderForm) -> Result<Box<dyn LoadedGraphs>, BackendError>;
 }

@@ -259,8 +259,14 @@ pub struct StackInfo {
 #[derive(Debug, Clone, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct VocoderInfo {
-    /// Key into [`Manifest::graphs`].
+    /// Key into [`Manifest::graphs`]: the windowed vocoder (codes of left context + chunk →
+    /// PCM of the whole window).
     pub graph: String,
+    /// Key into [`Manifest::graphs`] of the stateful streaming vocoder (the chunk's codes plus
+    /// the carried `state.*` tensors → the chunk's PCM plus `next.*`), when the bundle carries
+    /// one (docs/bundle.md "Stateful vocoder"); bundles without it decode windowed only.
+    #[serde(default)]
+    pub stream_graph: Option<String>,
     /// Codebooks read per frame.
     pub num_quantizers: u32,
     /// Codes per codebook.
@@ -402,6 +408,21 @@ impl Manifest {
         if self.tables.dtype == "float16" { Dtype::Fp16 } else { Dtype::Fp32 }
     }
 
+    /// The graph key of the vocoder in `form`: `[vocoder].graph` (windowed) or
+    /// `[vocoder].stream_graph` (stateful; `None` when the bundle has none).
+    pub fn vocoder_graph(&self, form: crate::backend::VocoderForm) -> Option<&str> {
+        match form {
+            crate::backend::VocoderForm::Windowed => Some(&self.vocoder.graph),
+            crate::backend::VocoderForm::Stateful => self.vocoder.stream_graph.as_deref(),
+        }
+    }
+
+    /// The vocoder form a bundle decodes with unless told otherwise: stateful when it carries a
+    /// stream graph (exact, one pass per frame), else windowed.
+    pub fn default_vocoder_form(&self) -> crate::backend::VocoderForm {
+        if self.vocoder.stream_graph.is_some() { crate::backend::VocoderForm::Stateful } else { crate::backend::VocoderForm::Windowed }
+    }
+
     /// Seconds of one codec frame (0.080 for the 12 Hz family).
     pub fn frame_seconds(&self) -> f64 {
         crate::frame::frame_seconds(self.audio.samples_per_frame, self.audio.sample_rate)
@@ -480,6 +501,9 @@ impl Manifest {
         }
         if !self.graphs.contains_key(&self.vocoder.graph) {
             return Err(format!("vocoder.graph = {:?} is not in [graphs]", self.vocoder.graph));
+        }
+        if let Some(g) = self.vocoder.stream_graph.as_ref().filter(|g| !self.graphs.contains_key(*g)) {
+            return Err(format!("vocoder.stream_graph = {g:?} is not in [graphs]"));
         }
         let st = &self.sampling.talker;
         let sp = &self.sampling.code_predictor;

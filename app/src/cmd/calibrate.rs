@@ -157,7 +157,8 @@ fn calibrate(cfg: &Config, args: &CalibrateArgs) -> Result<(), Failure> {
     let ms_per_frame = 1e3 / rate;
     let decode_ms_per_frame = median(&mut decode);
     let prefill_ms = median(&mut prefill);
-    let left_context = cfg.synthesis.left_context;
+    // the stateful vocoder decodes a chunk alone: its cost depends on the chunk only
+    let left_context = engine.vocoder_left_context();
     let windows: Vec<usize> = WINDOWS.iter().copied().filter(|&w| w < left_context + steady).chain([left_context + steady]).collect();
     let costs = engine.vocoder_cost(&windows, 5).map_err(|e| fail(engine_code(&e), e))?;
     let vocoder_ms: BTreeMap<usize, f64> = windows.iter().copied().zip(costs.iter().map(|s| s * 1e3)).collect();

@@ -3,7 +3,8 @@
 //! This is the only crate that names tract. [`Tract`] loads the three graphs of a bundle
 //! (sanitized, checked against the manifest's IO contract, optimized: [`graph`]); a
 //! [`stack::Stack`] runs a step graph with host-owned KV buffers that grow by doubling (tract
-//! takes a symbolic slot count); [`vocoder::TractVocoder`] runs the windowed vocoder;
+//! takes a symbolic slot count); [`vocoder::TractVocoder`] runs the windowed vocoder and
+//! [`vocoder::TractStreamVocoder`] the stateful one;
 //! [`compute`] gives each pipeline stage its own matrix-product threads. [`sanitize`] rewrites
 //! torch-exported graphs into a form tract loads (also `herald sanitize`).
 
@@ -17,7 +18,7 @@ use std::path::Path;
 
 use model::backend::{
     Backend, BackendError, LoadTimes, LoadedGraphs, PinThread, StackRole, StageCompute, StepError, StepSession, StepSpec,
-    VocoderError, VocoderSession,
+    VocoderError, VocoderForm, VocoderSession,
 };
 use model::manifest::Manifest;
 
@@ -32,16 +33,21 @@ impl Backend for Tract {
         "tract"
     }
 
-    fn load(&self, dir: &Path, manifest: &Manifest) -> Result<Box<dyn LoadedGraphs>, BackendError> {
+    fn load(&self, dir: &Path, manifest: &Manifest, form: VocoderForm) -> Result<Box<dyn LoadedGraphs>, BackendError> {
         let g = |name: &str| -> Result<graph::Graph, BackendError> {
             let info =
                 manifest.graphs.get(name).ok_or_else(|| BackendError::Unsupported(format!("bundle.toml has no graph {name:?}")))?;
             graph::load(dir, name, info)
         };
+        let vocoder_key = manifest.vocoder_graph(form).ok_or_else(|| {
+            BackendError::Unsupported(format!(
+                "the bundle has no {form} vocoder graph ([vocoder].stream_graph is missing: re-export it with a current herald-export, or use synthesis.vocoder = \"windowed\")"
+            ))
+        })?;
         let talker = g(&manifest.talker.graph)?;
         let predictor = g(&manifest.code_predictor.graph)?;
-        let vocoder = g(&manifest.vocoder.graph)?;
-        Ok(Box::new(TractGraphs { manifest: manifest.clone(), talker, predictor, vocoder }))
+        let vocoder = g(vocoder_key)?;
+        Ok(Box::new(TractGraphs { manifest: manifest.clone(), talker, predictor, vocoder, vocoder_form: form }))
     }
 }
 
@@ -53,6 +59,7 @@ pub struct TractGraphs {
     talker: graph::Graph,
     predictor: graph::Graph,
     vocoder: graph::Graph,
+    vocoder_form: VocoderForm,
 }
 
 impl LoadedGraphs for TractGraphs {
@@ -80,8 +87,18 @@ impl LoadedGraphs for TractGraphs {
     }
 
     fn vocoder_session(&self, max_window: usize) -> Result<Box<dyn VocoderSession>, VocoderError> {
-        let spf = self.manifest.audio.samples_per_frame as usize;
-        Ok(Box::new(vocoder::TractVocoder::new(&self.vocoder, max_window, spf)?))
+        let m = &self.manifest;
+        let spf = m.audio.samples_per_frame as usize;
+        match self.vocoder_form {
+            VocoderForm::Windowed => Ok(Box::new(vocoder::TractVocoder::new(&self.vocoder, max_window, spf)?)),
+            VocoderForm::Stateful => {
+                let info = m
+                    .vocoder_graph(VocoderForm::Stateful)
+                    .and_then(|k| m.graphs.get(k))
+                    .ok_or_else(|| VocoderError("bundle.toml has no stream graph".into()))?;
+                Ok(Box::new(vocoder::TractStreamVocoder::new(&self.vocoder, info, max_window, spf)?))
+            }
+        }
     }
 
     fn stage_compute(&self, stage: &str, cpus: &[usize], pin: PinThread) -> Result<Box<dyn StageCompute>, BackendError> {

@@ -1,4 +1,6 @@
-//! The windowed vocoder on tract: codes `[1, 16, frames]` int64 → PCM `[1, frames × 1920]`.
+//! The vocoders on tract: the windowed graph (codes `[1, 16, frames]` int64 → PCM
+//! `[1, frames × 1920]`) and the stateful stream graph (the chunk's codes plus the carried
+//! state → the chunk's PCM plus the next state).
 
 use std::sync::Arc;
 
@@ -65,5 +67,156 @@ impl VocoderSession for TractVocoder {
         }
         out.copy_from_slice(&wav[(t - n) * spf..]);
         Ok(())
+    }
+
+    fn reset(&mut self) {}
+
+    fn form(&self) -> model::backend::VocoderForm {
+        model::backend::VocoderForm::Windowed
+    }
+}
+
+/// The stateful streaming vocoder on tract (`[vocoder].stream_graph`): codes `[1, 16, n]` of the
+/// chunk's new frames plus the carried `state.<name>` tensors → PCM `[1, n × 1920]` plus
+/// `next.<name>` (docs/bundle.md "Stateful vocoder").
+///
+/// The session owns the state between calls (tract values, swapped for the outputs after each
+/// successful chunk; no copy) and resets it to zeros per utterance.
+pub struct TractStreamVocoder {
+    state: TypedSimpleState,
+    codes: Arc<Tensor>,
+    /// The all-zero state of an utterance's start, one tensor per `state.*` input in graph order.
+    zeros: Vec<TValue>,
+    /// The state the next chunk starts from.
+    carried: Vec<TValue>,
+    /// For each `state.*` input (graph order), the index of its `next.*` output.
+    next_index: Vec<usize>,
+    max_chunk: usize,
+    samples_per_frame: usize,
+}
+
+impl std::fmt::Debug for TractStreamVocoder {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("TractStreamVocoder")
+            .field("states", &self.zeros.len())
+            .field("max_chunk", &self.max_chunk)
+            .finish_non_exhaustive()
+    }
+}
+
+impl TractStreamVocoder {
+    /// A session of the stream graph `graph` (IO `info`) for chunks of at most `max_chunk`
+    /// frames of `samples_per_frame` samples.
+    ///
+    /// # Errors
+    /// [`VocoderError`] when the graph's IO is not `codes, state.*` → `wav, next.*` with a
+    /// `next.<name>` for every `state.<name>`, a state has a symbolic dimension or an
+    /// unsupported dtype (float32, int64), or tract cannot spawn the plan.
+    pub(crate) fn new(
+        graph: &Graph,
+        info: &model::manifest::GraphInfo,
+        max_chunk: usize,
+        samples_per_frame: usize,
+    ) -> Result<Self, VocoderError> {
+        use model::manifest::Dim;
+        if graph.inputs.first().map(String::as_str) != Some("codes") || graph.outputs.first().map(String::as_str) != Some("wav") {
+            return Err(VocoderError(format!(
+                "stream graph IO must start with input codes and output wav, has {:?} -> {:?}",
+                graph.inputs, graph.outputs
+            )));
+        }
+        let mut zeros = Vec::new();
+        let mut next_index = Vec::new();
+        for spec in info.inputs.iter().skip(1) {
+            let name = spec
+                .name
+                .strip_prefix("state.")
+                .ok_or_else(|| VocoderError(format!("stream graph input {} is neither codes nor a state.* input", spec.name)))?;
+            let next = graph
+                .output(&format!("next.{name}"))
+                .ok_or_else(|| VocoderError(format!("stream graph has input state.{name} but no output next.{name}")))?;
+            let shape = spec
+                .shape
+                .iter()
+                .map(|d| match d {
+                    Dim::Fixed(n) => usize::try_from(*n).map_err(err),
+                    Dim::Symbol(s) => Err(VocoderError(format!("state.{name} has a symbolic dimension {s:?}"))),
+                })
+                .collect::<Result<Vec<_>, _>>()?;
+            let zero = match spec.dtype.as_str() {
+                "float32" => Tensor::zero::<f32>(&shape),
+                "int64" => Tensor::zero::<i64>(&shape),
+                other => return Err(VocoderError(format!("state.{name} is {other}; float32 or int64 expected"))),
+            }
+            .map_err(err)?;
+            zeros.push(zero.into_tvalue());
+            next_index.push(next);
+        }
+        if info.inputs.len() != graph.inputs.len() {
+            return Err(VocoderError("stream graph inputs differ from bundle.toml".into()));
+        }
+        let state = graph.plan.spawn().map_err(err)?;
+        let codes = Arc::new(Tensor::zero::<i64>(&[1, CODEBOOKS, 1]).map_err(err)?);
+        let carried = zeros.clone();
+        Ok(TractStreamVocoder { state, codes, zeros, carried, next_index, max_chunk, samples_per_frame })
+    }
+}
+
+impl VocoderSession for TractStreamVocoder {
+    fn decode(&mut self, window: &[Frame], n: usize, out: &mut [f32]) -> Result<(), VocoderError> {
+        let spf = self.samples_per_frame;
+        if n == 0 || window.len() != n || n > self.max_chunk || out.len() != n * spf {
+            return Err(VocoderError(format!(
+                "bad chunk for the stateful vocoder: {} frames given, chunk {n} (at most {}), output {} samples",
+                window.len(),
+                self.max_chunk,
+                out.len()
+            )));
+        }
+        if self.codes.shape() != [1, CODEBOOKS, n] {
+            self.codes = Arc::new(Tensor::zero::<i64>(&[1, CODEBOOKS, n]).map_err(err)?);
+        }
+        let codes = Arc::get_mut(&mut self.codes).ok_or_else(|| VocoderError("codes buffer still shared".into()))?;
+        let buf = view_mut::<i64>(codes).map_err(err)?;
+        for (f, frame) in window.iter().enumerate() {
+            for (q, &c) in frame.iter().enumerate() {
+                buf[q * n + f] = i64::from(c);
+            }
+        }
+        let mut inputs: TVec<TValue> = TVec::with_capacity(1 + self.carried.len());
+        inputs.push(self.codes.clone().into_tvalue());
+        inputs.extend(self.carried.iter().cloned());
+        let mut outputs = self.state.run(inputs).map_err(err)?;
+        let wav = view::<f32>(&outputs[0]).map_err(err)?;
+        if wav.len() != n * spf {
+            return Err(VocoderError(format!("returned {} samples for {n} frames, expected {}", wav.len(), n * spf)));
+        }
+        out.copy_from_slice(wav);
+        for ((slot, zero), &i) in self.carried.iter_mut().zip(&self.zeros).zip(&self.next_index) {
+            let next = std::mem::replace(&mut outputs[i], Tensor::zero::<f32>(&[0]).map_err(err)?.into_tvalue());
+            if next.shape() != zero.shape() {
+                return Err(VocoderError(format!(
+                    "stream graph returned a state of shape {:?}, expected {:?}",
+                    next.shape(),
+                    zero.shape()
+                )));
+            }
+            // tract computes shape arithmetic (the position) in its symbolic-dim type: back to
+            // the declared int64
+            *slot = if next.datum_type() == zero.datum_type() {
+                next
+            } else {
+                next.cast_to_dt(zero.datum_type()).map_err(err)?.into_owned().into_tvalue()
+            };
+        }
+        Ok(())
+    }
+
+    fn reset(&mut self) {
+        self.carried.clone_from(&self.zeros);
+    }
+
+    fn form(&self) -> model::backend::VocoderForm {
+        model::backend::VocoderForm::Stateful
     }
 }

@@ -2,7 +2,7 @@
 
 Usage: python reference_cases.py CASES.json OUT_DIR
 CASES.json: [{"id", "bundle", "text", "language", "speaker", "mode", "seed", "max_frames",
-"force_eos_at", "ramp", "left_context"}]. Writes OUT_DIR/<id>.codes.npy (int64 [F, 16]),
+"force_eos_at", "ramp", "left_context", "vocoder"}] (vocoder: "stateful" (default) or "windowed"). Writes OUT_DIR/<id>.codes.npy (int64 [F, 16]),
 OUT_DIR/<id>.wav.npy (float32 [F*1920]) and OUT_DIR/<id>.json ({"stop", "frames"}); a case
 whose request is rejected writes {"error": "..."} instead.
 """
@@ -33,7 +33,10 @@ def main() -> None:
         except ValueError as e:
             (out / f"{c['id']}.json").write_text(json.dumps({"error": str(e)}))
             continue
-        wav = ref.vocode(gen.codes, ramp=c.get("ramp"), left_context=c.get("left_context"))
+        if c.get("vocoder", "stateful") == "windowed":
+            wav = ref.vocode(gen.codes, ramp=c.get("ramp"), left_context=c.get("left_context"))
+        else:
+            wav = ref.vocode_stateful(gen.codes, ramp=c.get("ramp"))
         np.save(out / f"{c['id']}.codes.npy", gen.codes.astype(np.int64))
         np.save(out / f"{c['id']}.wav.npy", wav.astype(np.float32))
         (out / f"{c['id']}.json").write_text(json.dumps({"stop": gen.stop, "frames": int(gen.frames)}))

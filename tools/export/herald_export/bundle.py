@@ -6,6 +6,7 @@ The bundle is a directory::
     talker.onnx            talker step graph (prefill and decode)
     code_predictor.onnx    code-predictor step graph
     vocoder.onnx           windowed Code2Wav: codes [1,16,frames] -> wav [1, frames*1920]
+    vocoder_stream.onnx    stateful Code2Wav: codes [1,16,n] + carried state.* -> wav [1, n*1920] + next.*
     tables.safetensors     host-side tables: projected text embedding, codec embedding, predictor embeddings
     tokenizer.json         Qwen2 byte-level BPE for the Rust ``tokenizers`` crate
 
@@ -149,6 +150,14 @@ def export(checkpoint: Path, out: Path, dtype: str = "fp32", quiet: bool = False
             bar.update(1)
         graphs["vocoder"] = _graph_entry(path, model)
         del model
+        with tqdm(total=2, desc="vocoder_stream.onnx", unit="step", **bar_opts) as bar:
+            model = vocoder.build_vocoder_graph(vw, stateful=True)
+            bar.update(1)
+            path = tmp / "vocoder_stream.onnx"
+            _save(model, path)
+            bar.update(1)
+        graphs["vocoder_stream"] = _graph_entry(path, model)
+        del model
 
         with tqdm(total=spec.text_vocab, desc="tables.safetensors", unit="row", **bar_opts) as bar:
             text = projected_text_table(spec, w, npdt, progress=bar.update)
@@ -191,7 +200,7 @@ def export(checkpoint: Path, out: Path, dtype: str = "fp32", quiet: bool = False
             "talker": _lm_section(spec.talker, "talker"),
             "code_predictor": {**_lm_section(spec.predictor, "code_predictor"), "projection": spec.has_projection,
                                "lm_heads": spec.num_code_groups - 1},
-            "vocoder": {"graph": "vocoder", **{k: v for k, v in facts.items() if k not in ("sample_rate", "samples_per_frame")},
+            "vocoder": {"graph": "vocoder", "stream_graph": "vocoder_stream", **{k: v for k, v in facts.items() if k not in ("sample_rate", "samples_per_frame")},
                         "ramp": DEFAULT_RAMP},
             "attention": {"mask_fill": MASK_FILL, "rope": "rotate_half"},
             "graphs": graphs,

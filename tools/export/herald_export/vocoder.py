@@ -696,19 +696,76 @@ def rope_inv_freq(head_dim: int, theta: float) -> np.ndarray:
 # ---------------------------------------------------------------------------------------------
 
 
+#: Slice end meaning "to the end of the axis" (ONNX clamps it to the dimension).
+_TO_END = 2**63 - 1
+
+
+class _Stream:
+    """The carried state of the streaming (stateful) vocoder graph.
+
+    Each causal layer that looks back ``keep`` samples along ``axis`` prepends its state input
+    ``state.<name>`` (the last ``keep`` samples it saw in earlier chunks; zeros at the start of
+    an utterance, which is exactly the zero left padding of the single pass) and exposes the
+    last ``keep`` samples of that concatenation as ``next.<name>``. States are declared in
+    graph order; the outputs follow ``wav`` in the same order.
+    """
+
+    def __init__(self, b: GraphBuilder):
+        self.b = b
+        self.states: list[tuple[str, str, object, list[int]]] = []  # (name, next tensor, dtype, shape)
+
+    def carry(self, name: str, x: str, shape: Sequence[int], axis: int = 2) -> str:
+        """concat(state.<name> of ``shape``, x) along ``axis``; registers its last shape[axis] samples."""
+        keep = int(shape[axis])
+        s = self.b.input(f"state.{name}", np.float32, list(shape))
+        xc = self.b.concat([s, x], axis=axis)
+        nxt = self.b.slice(xc, [-keep], [_TO_END], [axis])
+        self.states.append((name, nxt, np.float32, list(shape)))
+        return xc
+
+    def outputs(self) -> None:
+        """Declare every ``next.<name>`` output (call after ``wav``)."""
+        for name, nxt, dtype, shape in self.states:
+            self.b.output(nxt, f"next.{name}", dtype, shape)
+
+
 def _causal_conv(
-    b: GraphBuilder, x: str, w: np.ndarray, bias: np.ndarray | None, dilation: int = 1, groups: int = 1
+    b: GraphBuilder,
+    x: str,
+    w: np.ndarray,
+    bias: np.ndarray | None,
+    dilation: int = 1,
+    groups: int = 1,
+    stream: _Stream | None = None,
+    name: str = "",
 ) -> str:
-    """Causal Conv1d on [1, C, L]: left padding (k-1)*dilation via the Conv ``pads`` attribute."""
+    """Causal Conv1d on [1, C, L]: left padding (k-1)*dilation via the Conv ``pads`` attribute,
+    or, when streaming, the (k-1)*dilation input samples carried from the previous chunk."""
     k = int(w.shape[-1])
     pad = (k - 1) * dilation
     ins = [x, b.weight(w)] + ([b.weight(bias)] if bias is not None else [])
+    if stream is not None and pad > 0:
+        cin = int(w.shape[1]) * groups
+        ins[0] = stream.carry(name, x, [1, cin, pad])
+        pad = 0
     return b.op("Conv", ins, kernel_shape=[k], dilations=[dilation], group=groups, pads=[pad, 0], strides=[1])
 
 
-def _causal_conv_transpose(b: GraphBuilder, x: str, w: np.ndarray, bias: np.ndarray, stride: int) -> str:
-    """ConvTranspose1d on [1, Cin, L] -> [1, Cout, L*stride]: the k - stride extra samples trimmed on the right."""
+def _causal_conv_transpose(
+    b: GraphBuilder, x: str, w: np.ndarray, bias: np.ndarray, stride: int, stream: _Stream | None = None, name: str = ""
+) -> str:
+    """ConvTranspose1d on [1, Cin, L] -> [1, Cout, L*stride]: the k - stride extra samples trimmed on the right.
+
+    Streaming: an output sample depends on the ceil(k/stride) - 1 previous input samples too
+    (one for the decoder's k = 2r); they are carried, and the outputs they alone produce (the
+    first m*stride, already emitted by the previous chunk) are dropped.
+    """
     k = int(w.shape[-1])
+    m = -(-k // stride) - 1
+    if stream is not None and m > 0:
+        xc = stream.carry(name, x, [1, int(w.shape[0]), m])
+        y = b.op("ConvTranspose", [xc, b.weight(w), b.weight(bias)], kernel_shape=[k], strides=[stride])
+        return b.slice(y, [m * stride], [-(k - stride)] if k > stride else [_TO_END], [2])
     y = b.op("ConvTranspose", [x, b.weight(w), b.weight(bias)], kernel_shape=[k], strides=[stride])
     if k > stride:
         y = b.slice(y, [0], [-(k - stride)], [2])
@@ -722,9 +779,12 @@ def _snake(b: GraphBuilder, x: str, alpha: np.ndarray, beta: np.ndarray) -> str:
     return b.add(x, b.mul(b.mul(s, s), b.weight(inv_b.reshape(1, -1, 1))))
 
 
-def _convnext(b: GraphBuilder, vw: VocoderWeights, x: str, p: str) -> str:
+def _convnext(b: GraphBuilder, vw: VocoderWeights, x: str, p: str, stream: _Stream | None = None, name: str = "") -> str:
     """ConvNeXt block on [1, C, L] (gamma folded into pwconv2)."""
-    h = _causal_conv(b, x, vw.t(f"{p}.dwconv.conv.weight"), vw.t(f"{p}.dwconv.conv.bias"), groups=vw.config.latent_dim)
+    h = _causal_conv(
+        b, x, vw.t(f"{p}.dwconv.conv.weight"), vw.t(f"{p}.dwconv.conv.bias"), groups=vw.config.latent_dim,
+        stream=stream, name=name,
+    )
     h = b.transpose(h, [0, 2, 1])
     h = b.op(
         "LayerNormalization",
@@ -747,9 +807,16 @@ def _rope(b: GraphBuilder, x: str, cos: str, sin: str, half: int) -> str:
     return b.add(b.mul(x, cos), b.mul(rot, sin))
 
 
-def _attention(b: GraphBuilder, vw: VocoderWeights, h: str, i: int, cos: str, sin: str, mask: str) -> str:
+def _attention(
+    b: GraphBuilder, vw: VocoderWeights, h: str, i: int, cos: str, sin: str, mask: str, stream: _Stream | None = None
+) -> str:
     """Sliding-window self-attention of layer i on [1, T, H] (GQA and 1/sqrt(head_dim) folded into weights,
-    LayerScale folded into o_proj). Returns the scaled attention output [1, T, H]."""
+    LayerScale folded into o_proj). Returns the scaled attention output [1, T, H].
+
+    Streaming: the rotated keys and the values of the last sliding_window - 1 frames are carried
+    (``state.layer<i>.k`` / ``.v`` [1, heads, sliding_window - 1, head_dim]) and the new frames'
+    queries attend over them and themselves; ``mask`` [T, sliding_window - 1 + T] hides the
+    slots before the utterance and outside the window."""
     c = vw.config
     p = f"pre_transformer.layers.{i}"
     nh, hd, rep = c.num_attention_heads, c.head_dim, c.num_attention_heads // c.num_key_value_heads
@@ -770,7 +837,11 @@ def _attention(b: GraphBuilder, vw: VocoderWeights, h: str, i: int, cos: str, si
     q = _rope(b, heads(wq), cos, sin, hd // 2)
     k = _rope(b, heads(wk), cos, sin, hd // 2)
     v = heads(wv)
-    scores = b.add(b.matmul(q, b.transpose(k, [0, 1, 3, 2])), mask)  # [1, nh, T, T]
+    if stream is not None:
+        kv_shape = [1, nh, c.sliding_window - 1, hd]
+        k = stream.carry(f"layer{i}.k", k, kv_shape)
+        v = stream.carry(f"layer{i}.v", v, kv_shape)
+    scores = b.add(b.matmul(q, b.transpose(k, [0, 1, 3, 2])), mask)  # [1, nh, T, keys]
     probs = b.softmax_f32(scores, axis=-1)
     o = b.transpose(b.matmul(probs, v), [0, 2, 1, 3])
     o = b.reshape(o, [1, -1, nh * hd])
@@ -786,12 +857,22 @@ def _mlp(b: GraphBuilder, vw: VocoderWeights, h: str, i: int) -> str:
     return b.linear(b.mul(gate, up), ls[:, None] * vw.t(f"{p}.mlp.down_proj.weight"))
 
 
-def build_vocoder_graph(vw: VocoderWeights) -> onnx.ModelProto:
+def build_vocoder_graph(vw: VocoderWeights, stateful: bool = False) -> onnx.ModelProto:
     """The whole vocoder as one float32 ONNX graph (opset 17).
 
     Input ``codes`` int64 [1, num_quantizers, "frames"] (values in [0, codebook_size); frames >=
     1); output ``wav`` float32 [1, "samples"] with samples = frames * samples_per_frame (1920),
     in [-1, 1]. Always float32, whatever the bundle's LM dtype.
+
+    ``stateful=True`` builds the streaming decoder (``vocoder_stream.onnx``): after ``codes``
+    (the chunk's new frames only) come the carried states ``state.<name>`` (float32, fixed
+    shapes, :class:`_Stream`; ``state.position`` int64 [1] = frames decoded so far), and after
+    ``wav`` (the chunk's samples) their next values ``next.<name>`` in the same order. All-zero
+    states start an utterance; feeding each chunk the previous chunk's ``next.*`` makes the
+    concatenated chunks equal one single pass over the whole utterance (up to float rounding),
+    for any chunk lengths. The carried state: each causal conv's last (k-1)*dilation input
+    samples, each transposed conv's last input sample, the transformer's rotated keys and values
+    of the last sliding_window - 1 frames per layer, and the position.
 
     Export-time folding (exact up to float rounding): the 16 codebooks with their cluster_usage
     clamp and group output projections into one table [16 * 2048, codebook_dim] gathered at
@@ -799,26 +880,51 @@ def build_vocoder_graph(vw: VocoderWeights) -> onnx.ModelProto:
     LayerScales into o_proj/down_proj; ConvNeXt gamma into pwconv2; SnakeBeta's exp(alpha) and
     1/(exp(beta)+1e-9). RoPE angles and the sliding-window mask are computed in-graph from the
     symbolic length (Shape -> Gather -> Range; the mask adds -1e9 where key > query or
-    query - key >= sliding_window); no NaN guards, no data-dependent shapes, no allowzero
-    Reshape, axes always rank-1. Convolutions are causal through left ``pads``; transposed
-    convolutions trim on the right with Slice.
+    query - key >= sliding_window, and when streaming also on key slots before the utterance);
+    no NaN guards, no data-dependent shapes, no allowzero Reshape, axes always rank-1.
+    Convolutions are causal through left ``pads`` (or carried samples); transposed convolutions
+    trim on the right with Slice.
     """
     c = vw.config
-    b = GraphBuilder("herald_vocoder", np.float32)
+    b = GraphBuilder("herald_vocoder_stream" if stateful else "herald_vocoder", np.float32)
     codes = b.input("codes", np.int64, [1, c.num_quantizers, "frames"])
+    st = _Stream(b) if stateful else None
+    i64 = lambda v: b.const(np.asarray(v, dtype=np.int64))  # noqa: E731  (rank-0 int64 constant)
+    past = c.sliding_window - 1
 
     # -- symbolic length, positions, RoPE tables, mask
     with b.scope("pos"):
-        t_len = b.op("Gather", [b.op("Shape", [codes]), b.const(np.asarray(2, dtype=np.int64))], axis=0)  # rank 0
-        pos = b.op("Range", [b.const(np.asarray(0, dtype=np.int64)), t_len, b.const(np.asarray(1, dtype=np.int64))])
+        t_len = b.op("Gather", [b.op("Shape", [codes]), i64(2)], axis=0)  # rank 0
+        if st is None:
+            pos = b.op("Range", [i64(0), t_len, i64(1)])
+        else:
+            p_in = b.input("state.position", np.int64, [1])
+            p0 = b.reshape(p_in, [])  # rank 0
+            pos = b.op("Range", [p0, b.add(p0, t_len), i64(1)])
+            # next position = position + frames, counted from the data (every code is >= 0)
+            # rather than from Shape: a runtime that folds shape arithmetic symbolically (tract)
+            # would otherwise return an expression in the symbol instead of a number
+            row = b.slice(codes, [0], [1], [1])  # [1, 1, T]
+            count = b.op("ReduceSum", [b.cast(b.op("GreaterOrEqual", [row, i64([0])]), np.int64), b.ints([1, 2])], keepdims=0)
+            st.states.append(("position", b.add(p_in, count), np.int64, [1]))
         posf = b.unsqueeze(b.cast(pos, np.float32), [1])  # [T, 1]
         inv = rope_inv_freq(c.head_dim, c.rope_theta)
         ang = b.mul(posf, b.weight(np.concatenate([inv, inv])[None, :]))  # [T, head_dim]
         cos, sin = b.op("Cos", [ang]), b.op("Sin", [ang])
-        d = b.sub(b.unsqueeze(pos, [1]), b.unsqueeze(pos, [0]))  # [T, T] = query - key
-        future = b.cast(b.op("Less", [d, b.ints([0])]), np.float32)
-        too_old = b.cast(b.op("Greater", [d, b.ints([c.sliding_window - 1])]), np.float32)
-        mask = b.mul(b.add(future, too_old), b.scalar(MASK_NEG))  # [T, T]
+        if st is None:
+            d = b.sub(b.unsqueeze(pos, [1]), b.unsqueeze(pos, [0]))  # [T, T] = query - key
+            future = b.cast(b.op("Less", [d, b.ints([0])]), np.float32)
+            too_old = b.cast(b.op("Greater", [d, b.ints([c.sliding_window - 1])]), np.float32)
+            mask = b.mul(b.add(future, too_old), b.scalar(MASK_NEG))  # [T, T]
+        else:
+            # key slot j holds position p0 - past + j; query i has position p0 + i
+            kj = b.op("Range", [i64(0), b.add(t_len, i64(past)), i64(1)])  # [past + T]
+            qi = b.op("Range", [i64(0), t_len, i64(1)])  # [T]
+            d = b.sub(b.unsqueeze(kj, [0]), b.unsqueeze(qi, [1]))  # [T, past + T] = j - i
+            future = b.cast(b.op("Greater", [d, b.ints([past])]), np.float32)
+            too_old = b.cast(b.op("Less", [d, b.ints([0])]), np.float32)
+            before = b.cast(b.op("Less", [kj, b.sub(i64([past]), p_in)]), np.float32)  # [past + T]
+            mask = b.mul(b.add(b.add(future, too_old), before), b.scalar(MASK_NEG))  # [T, past + T]
 
     # -- RVQ dequantisation: one folded table
     with b.scope("rvq"):
@@ -830,7 +936,7 @@ def build_vocoder_graph(vw: VocoderWeights) -> onnx.ModelProto:
         x = b.transpose(x, [0, 2, 1])  # [1, cd, T]
 
     with b.scope("pre_conv"):
-        x = _causal_conv(b, x, vw.t("pre_conv.conv.weight"), vw.t("pre_conv.conv.bias"))
+        x = _causal_conv(b, x, vw.t("pre_conv.conv.weight"), vw.t("pre_conv.conv.bias"), stream=st, name="pre_conv")
 
     with b.scope("pre_transformer"):
         h = b.transpose(x, [0, 2, 1])  # [1, T, latent]
@@ -839,7 +945,7 @@ def build_vocoder_graph(vw: VocoderWeights) -> onnx.ModelProto:
             with b.scope(f"layer{i}"):
                 p = f"pre_transformer.layers.{i}"
                 hn = b.rms_norm(h, vw.t(f"{p}.input_layernorm.weight"), c.rms_norm_eps)
-                h = b.add(h, _attention(b, vw, hn, i, cos, sin, mask))
+                h = b.add(h, _attention(b, vw, hn, i, cos, sin, mask, stream=st))
                 m = _mlp(b, vw, b.rms_norm(h, vw.t(f"{p}.post_attention_layernorm.weight"), c.rms_norm_eps), i)
                 h = b.add(h, m)
         h = b.rms_norm(h, vw.t("pre_transformer.norm.weight"), c.rms_norm_eps)
@@ -848,33 +954,46 @@ def build_vocoder_graph(vw: VocoderWeights) -> onnx.ModelProto:
 
     for i, f in enumerate(c.upsampling_ratios):
         with b.scope(f"upsample{i}"):
-            x = _causal_conv_transpose(b, x, vw.t(f"upsample.{i}.0.conv.weight"), vw.t(f"upsample.{i}.0.conv.bias"), f)
-            x = _convnext(b, vw, x, f"upsample.{i}.1")
+            x = _causal_conv_transpose(
+                b, x, vw.t(f"upsample.{i}.0.conv.weight"), vw.t(f"upsample.{i}.0.conv.bias"), f,
+                stream=st, name=f"upsample{i}.conv",
+            )
+            x = _convnext(b, vw, x, f"upsample.{i}.1", stream=st, name=f"upsample{i}.dwconv")
 
     with b.scope("decoder0"):
-        x = _causal_conv(b, x, vw.t("decoder.0.conv.weight"), vw.t("decoder.0.conv.bias"))
+        x = _causal_conv(b, x, vw.t("decoder.0.conv.weight"), vw.t("decoder.0.conv.bias"), stream=st, name="decoder0")
     for bi, (_cin, _cout, r) in enumerate(c.block_dims(), start=1):
         with b.scope(f"block{bi}"):
             bp = f"decoder.{bi}.block"
             x = _snake(b, x, vw.t(f"{bp}.0.alpha"), vw.t(f"{bp}.0.beta"))
-            x = _causal_conv_transpose(b, x, vw.t(f"{bp}.1.conv.weight"), vw.t(f"{bp}.1.conv.bias"), r)
+            x = _causal_conv_transpose(
+                b, x, vw.t(f"{bp}.1.conv.weight"), vw.t(f"{bp}.1.conv.bias"), r, stream=st, name=f"block{bi}.up"
+            )
             for u, dil in enumerate(RESIDUAL_DILATIONS):
                 rp = f"{bp}.{u + 2}"
                 y = _snake(b, x, vw.t(f"{rp}.act1.alpha"), vw.t(f"{rp}.act1.beta"))
-                y = _causal_conv(b, y, vw.t(f"{rp}.conv1.conv.weight"), vw.t(f"{rp}.conv1.conv.bias"), dilation=dil)
+                y = _causal_conv(
+                    b, y, vw.t(f"{rp}.conv1.conv.weight"), vw.t(f"{rp}.conv1.conv.bias"), dilation=dil,
+                    stream=st, name=f"block{bi}.res{u}",
+                )
                 y = _snake(b, y, vw.t(f"{rp}.act2.alpha"), vw.t(f"{rp}.act2.beta"))
                 y = _causal_conv(b, y, vw.t(f"{rp}.conv2.conv.weight"), vw.t(f"{rp}.conv2.conv.bias"))
                 x = b.add(x, y)
     nb = len(c.upsample_rates)
     with b.scope("out"):
         x = _snake(b, x, vw.t(f"decoder.{nb + 1}.alpha"), vw.t(f"decoder.{nb + 1}.beta"))
-        x = _causal_conv(b, x, vw.t(f"decoder.{nb + 2}.conv.weight"), vw.t(f"decoder.{nb + 2}.conv.bias"))
+        x = _causal_conv(
+            b, x, vw.t(f"decoder.{nb + 2}.conv.weight"), vw.t(f"decoder.{nb + 2}.conv.bias"), stream=st, name="out"
+        )
         x = b.op("Clip", [x, b.const(np.asarray(-1.0, dtype=np.float32)), b.const(np.asarray(1.0, dtype=np.float32))])
         wav = b.reshape(x, [1, -1])
     b.output(wav, "wav", np.float32, [1, "samples"])
+    if st is not None:
+        st.outputs()
     doc = (
         f"Qwen3-TTS 12 Hz vocoder (Code2Wav): codes int64 [1,{c.num_quantizers},frames] -> wav float32 "
-        f"[1, frames*{c.samples_per_frame}] at {c.sample_rate} Hz, causal, sliding window {c.sliding_window}."
+        f"[1, frames*{c.samples_per_frame}] at {c.sample_rate} Hz, causal, sliding window {c.sliding_window}"
+        + (", streaming: carried state.* inputs, next.* outputs." if stateful else ".")
     )
     return b.model(doc)
 
@@ -1182,3 +1301,61 @@ def windowed_snr_db(
     full = np.asarray(run(codes)).reshape(-1)
     win = decode_windowed(run, codes, ramp, left_context, samples_per_frame)
     return snr_db(full, win)
+
+
+# ---------------------------------------------------------------------------------------------
+# Stateful (streaming) decoding
+# ---------------------------------------------------------------------------------------------
+
+
+def stream_states(model: onnx.ModelProto) -> list[tuple[str, np.dtype, tuple[int, ...]]]:
+    """The carried states of a streaming vocoder graph: (name without ``state.``, dtype, shape), in input order."""
+    from onnx import helper
+
+    out = []
+    for vi in model.graph.input:
+        if vi.name.startswith("state."):
+            tt = vi.type.tensor_type
+            dt = np.dtype(helper.tensor_dtype_to_np_dtype(tt.elem_type))
+            out.append((vi.name[len("state."):], dt, tuple(int(d.dim_value) for d in tt.shape.dim)))
+    return out
+
+
+def stream_plan(total_frames: int, ramp: Sequence[int] = DEFAULT_RAMP) -> list[tuple[int, int]]:
+    """Chunks (start, end) of stateful decoding: ``ramp[i]`` frames each, the last entry repeating."""
+    return [(s, e) for _w0, s, e in windowed_plan(total_frames, ramp, 0)]
+
+
+def decode_stateful(
+    run: Callable[[dict[str, np.ndarray]], dict[str, np.ndarray]],
+    states: Sequence[tuple[str, np.dtype, tuple[int, ...]]],
+    codes: np.ndarray,
+    ramp: Sequence[int] = DEFAULT_RAMP,
+    samples_per_frame: int = 1920,
+) -> np.ndarray:
+    """Decode codes [1, Q, T] (or [Q, T]) chunk by chunk through a streaming graph, carrying its state.
+
+    ``run`` maps the feeds (``codes`` [1, Q, n] and every ``state.<name>``) to the outputs
+    (``wav`` and every ``next.<name>``); ``states`` is :func:`stream_states` of the graph. The
+    states start at zero; each chunk gets the previous chunk's ``next.*``. Returns float32
+    [T * samples_per_frame]. Raises ValueError when ``run`` returns a wrong length or misses a
+    state.
+    """
+    codes = np.asarray(codes)
+    if codes.ndim == 2:
+        codes = codes[None]
+    if codes.ndim != 3 or codes.shape[0] != 1:
+        raise ValueError(f"codes must be [1, Q, T] or [Q, T], got {codes.shape}")
+    cur = {f"state.{n}": np.zeros(shape, dtype=dt) for n, dt, shape in states}
+    out = []
+    for s, e in stream_plan(codes.shape[2], ramp):
+        res = run({"codes": np.ascontiguousarray(codes[:, :, s:e], dtype=np.int64), **cur})
+        wav = np.asarray(res["wav"]).reshape(-1)
+        if wav.shape[0] != (e - s) * samples_per_frame:
+            raise ValueError(f"run returned {wav.shape[0]} samples for {e - s} frames")
+        out.append(wav)
+        for n, _dt, _shape in states:
+            if f"next.{n}" not in res:
+                raise ValueError(f"run did not return next.{n}")
+            cur[f"state.{n}"] = np.asarray(res[f"next.{n}"])
+    return np.concatenate(out).astype(np.float32) if out else np.zeros(0, np.float32)
