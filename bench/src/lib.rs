@@ -250,12 +250,15 @@ pub fn predictor_step(b: &Bundle, warmup: usize, steps: usize) -> Result<(StepRe
     Ok((r, Timing::from_seconds(&frames)))
 }
 
-/// Vocoder latency of one window of `context + chunk` frames (steady state: 72 + 25).
+/// Vocoder latency of one chunk of `chunk` frames in the bundle's loaded form: windowed, a window
+/// of `context + chunk` frames (steady state: 72 + 25; row `vocoder`); stateful, the chunk
+/// alone after the state earlier chunks left (`context` ignored; row `vocoder_stream`, past 0).
 ///
 /// # Errors
 /// [`EngineError::Vocoder`].
 pub fn vocoder_chunk(b: &Bundle, context: usize, chunk: usize, warmup: usize, steps: usize) -> Result<StepResult, EngineError> {
     let mut voc = Vocoder::new(b, context, chunk)?;
+    let context = voc.left_context;
     let spf = b.manifest.audio.samples_per_frame as usize;
     let window: Vec<Frame> = (0..context + chunk)
         .map(|f| {
@@ -275,8 +278,12 @@ pub fn vocoder_chunk(b: &Bundle, context: usize, chunk: usize, warmup: usize, st
             t.push(t0.elapsed().as_secs_f64());
         }
     }
+    let graph = match voc.form() {
+        model::backend::VocoderForm::Windowed => "vocoder",
+        model::backend::VocoderForm::Stateful => "vocoder_stream",
+    };
     Ok(StepResult {
-        graph: "vocoder".into(),
+        graph: graph.into(),
         past: context,
         slots: context + chunk,
         timing: Timing::from_seconds(&t),

@@ -106,10 +106,11 @@ def check_ort(o: dict) -> None:
     positive(o, "rounds")
     steps = get(o, "steps") or {}
     names = list(steps)
-    want = ["talker past", "code_predictor sub-step", "vocoder window"]
+    want = ["talker past", "code_predictor sub-step", ("vocoder window", "vocoder stream chunk")]
     for w in want:
-        if not any(n.startswith(w) for n in names):
-            problems.append(f"steps: no '{w}' entry (have {names})")
+        alts = w if isinstance(w, tuple) else (w,)
+        if not any(n.startswith(a) for n in names for a in alts):
+            problems.append(f"steps: no '{' or '.join(alts)}' entry (have {names})")
     for n in names:
         for k in ("herald_ms", "onnxruntime_ms", "ratio"):
             positive(o, f"steps.{n}.{k}")

@@ -11,7 +11,9 @@ graph optimizations), the same shapes and the same kind of inputs:
   the step's position, caches of herald's slot count (from round A's JSON) with the positions
   herald holds visible and the spare slots masked, one new position;
 - code predictor: one-position sub-steps at positions 2..15 over 16 slots, heads 1..14;
-- vocoder: a window of ``left_context + last ramp chunk`` frames of the codes herald uses.
+- vocoder: a window of ``left_context + last ramp chunk`` frames of the codes herald uses, or, when
+  herald decodes stateful, one chunk of the last ramp size through the stream graph (zero state:
+  the cost does not depend on the state's values).
 
 Cache contents are random (herald's come from a prefill): dense kernels do not depend on the
 values. Reported per step: each runtime's median over its rounds (each round's figure is a
@@ -78,6 +80,14 @@ class Bundle:
             g = self.m[key]["graph"]
             f = path / self.m["graphs"][g]["file"]
             self.sess[key] = ort.InferenceSession(str(f), so, providers=["CPUExecutionProvider"])
+        stream = self.m["vocoder"].get("stream_graph")
+        if stream:
+            f = path / self.m["graphs"][stream]["file"]
+            self.sess["vocoder_stream"] = ort.InferenceSession(str(f), so, providers=["CPUExecutionProvider"])
+            self.stream_states = {
+                i["name"]: np.zeros(i["shape"], np.int64 if i["dtype"] == "int64" else np.float32)
+                for i in self.m["graphs"][stream]["inputs"] if i["name"].startswith("state.")
+            }
 
     def rows(self, n: int, salt: int) -> np.ndarray:
         """Codec-embedding rows with herald's ids: (r * 2654435761 + salt) mod 2^32 mod 2048."""
@@ -149,8 +159,13 @@ def ort_round(b: Bundle, herald: dict, warmup: int, steps: int, vocoder_steps: i
     f = np.arange(frames)[None, :]
     q = np.arange(16)[:, None]
     codes = ((f * 131 + q * 977) % 2048).astype(np.int64)[None]
-    res[f"vocoder window {frames} frames"] = statistics.median(
-        time_runs(b.sess["vocoder"], [{"codes": codes}] * (1 + vocoder_steps), 1))
+    if v["graph"] == "vocoder_stream":  # herald decoded a stateful chunk: the same graph and chunk here
+        feeds = {"codes": codes, **b.stream_states}
+        res[f"vocoder stream chunk {frames} frames"] = statistics.median(
+            time_runs(b.sess["vocoder_stream"], [feeds] * (1 + vocoder_steps), 1))
+    else:
+        res[f"vocoder window {frames} frames"] = statistics.median(
+            time_runs(b.sess["vocoder"], [{"codes": codes}] * (1 + vocoder_steps), 1))
     return res
 
 
@@ -168,7 +183,8 @@ def herald_medians(h: dict, warmup: int) -> dict:
     s = h["steps"]
     out = {f"talker past {t['past']}": t["timing"]["median_ms"] for t in s["talker"]}
     out["code_predictor sub-step"] = s["code_predictor"]["timing"]["median_ms"]
-    out[f"vocoder window {s['vocoder']['slots']} frames"] = s["vocoder"]["timing"]["median_ms"]
+    kind = "stream chunk" if s["vocoder"]["graph"] == "vocoder_stream" else "window"
+    out[f"vocoder {kind} {s['vocoder']['slots']} frames"] = s["vocoder"]["timing"]["median_ms"]
     return out
 
 
