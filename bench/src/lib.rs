@@ -321,6 +321,8 @@ pub struct BenchConfig {
     pub steps_only: bool,
     /// Each worker stage's frame-pool cap in bytes (`EngineSettings::pool_bytes`).
     pub pool_bytes: usize,
+    /// Vocoder form (None: the bundle's default, stateful when it has a stream graph).
+    pub vocoder: Option<model::backend::VocoderForm>,
 }
 
 /// Default pipeline text: one English sentence (about 20 text tokens).
@@ -341,6 +343,7 @@ impl Default for BenchConfig {
             frames: 155,
             steps_only: false,
             pool_bytes: DEFAULT_POOL_BYTES,
+            vocoder: None,
         }
     }
 }
@@ -474,9 +477,13 @@ pub fn step_set(b: &Bundle, cfg: &BenchConfig, threads: usize, pasts: &[usize], 
 ///
 /// # Errors
 /// Loading or step errors.
-pub fn load_to_first_frame(dir: &Path, text: &str) -> Result<(Arc<Bundle>, LoadResult), EngineError> {
+pub fn load_to_first_frame(
+    dir: &Path,
+    text: &str,
+    vocoder: Option<model::backend::VocoderForm>,
+) -> Result<(Arc<Bundle>, LoadResult), EngineError> {
     let t0 = Instant::now();
-    let b = Arc::new(Bundle::open(dir, &Tract)?);
+    let b = Arc::new(Bundle::open_with(dir, &Tract, vocoder)?);
     let open_s = t0.elapsed().as_secs_f64();
     let mut dec = Decoder::new(Arc::clone(&b), &EngineSettings::default())?;
     let mut req = Request::new(text);
@@ -550,9 +557,9 @@ pub fn pipeline(b: &Arc<Bundle>, cfg: &BenchConfig, allocs: Option<&dyn Fn() -> 
 pub fn run(dir: &Path, cfg: &BenchConfig, allocs: Option<&dyn Fn() -> u64>) -> Result<BenchResult, EngineError> {
     set_compute_threads(cfg.threads);
     let (b, load) = if cfg.steps_only {
-        (Arc::new(Bundle::open(dir, &Tract)?), None)
+        (Arc::new(Bundle::open_with(dir, &Tract, cfg.vocoder)?), None)
     } else {
-        let (b, l) = load_to_first_frame(dir, &cfg.text)?;
+        let (b, l) = load_to_first_frame(dir, &cfg.text, cfg.vocoder)?;
         (b, Some(l))
     };
     let steps = step_set(&b, cfg, cfg.threads, &cfg.pasts, cfg.vocoder_steps)?;

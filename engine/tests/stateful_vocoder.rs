@@ -137,3 +137,21 @@ fn windowed_only_bundles_still_load_and_stateful_is_refused_by_name() {
     let err = Bundle::open_with(dir.path(), &Tract, Some(VocoderForm::Stateful)).unwrap_err().to_string();
     assert!(err.contains("synthesis.vocoder") && err.contains("stream graph") && err.contains("bundle.toml"), "{err}");
 }
+
+#[test]
+fn every_snake_is_fused_and_the_profile_names_the_op_types() {
+    let dir = common::bundle("tiny-0.6b");
+    let m = engine::read_manifest(&dir).unwrap();
+    for form in [VocoderForm::Windowed, VocoderForm::Stateful] {
+        let (ops, total) = backend_tract::profile::profile_vocoder(&dir, &m, form, 3, 1).unwrap();
+        assert!(total > 0.0);
+        let nodes = |op: &str| ops.iter().find(|o| o.op == op).map_or(0, |o| o.nodes);
+        // 4 decoder blocks x (1 + 3 residual units x 2) SnakeBeta + the final one
+        assert_eq!(nodes("SnakeBeta"), 4 * 7 + 1, "{form}: {ops:?}");
+        assert!(ops.iter().any(|o| o.op == "Conv" && o.ms > 0.0), "{form}: {ops:?}");
+        // the only Sin left is the RoPE angle table's
+        assert!(nodes("Sin") <= 1, "{form}: {ops:?}");
+        let sum: f64 = ops.iter().map(|o| o.ms).sum();
+        assert!(sum <= total * 1.5 && sum > 0.0, "node times {sum} ms against the run's {total} ms");
+    }
+}

@@ -95,6 +95,20 @@ pub struct BenchArgs {
     #[arg(long, default_value_t = (engine::DEFAULT_POOL_BYTES >> 20) as u64, value_name = "MIB",
           value_parser = clap::value_parser!(u64).range(0..=65536))]
     pub frame_pool_mib: u64,
+    /// Vocoder form to measure: `stateful` (the stream graph, one chunk) or `windowed` (the
+    /// windowed graph, left context + chunk). Default: the bundle's (stateful when it has a
+    /// stream graph).
+    #[arg(long, value_name = "FORM", value_parser = ["stateful", "windowed"])]
+    pub vocoder: Option<String>,
+    /// Instead of the benchmark, profile one stage per op type: `vocoder` times every node of
+    /// the vocoder graph over `--profile-frames` frames (windowed: one single pass; stateful:
+    /// one chunk from the zero state), folded onto ONNX op types (docs/performance.md "Vocoder
+    /// profile").
+    #[arg(long, value_name = "STAGE", value_parser = ["vocoder"])]
+    pub profile: Option<String>,
+    /// Frames of the profiled vocoder pass.
+    #[arg(long, default_value_t = 25, value_name = "N", value_parser = clap::value_parser!(u64).range(1..=1000))]
+    pub profile_frames: u64,
     /// Write the results as JSON to FILE.
     #[arg(long, value_name = "FILE")]
     pub json: Option<PathBuf>,
@@ -147,6 +161,7 @@ pub fn config(a: &BenchArgs) -> anyhow::Result<BenchConfig> {
         frames: a.frames.max(1),
         steps_only: a.steps_only,
         pool_bytes: usize::try_from(a.frame_pool_mib << 20).unwrap_or(usize::MAX),
+        vocoder: a.vocoder.as_deref().and_then(model::backend::VocoderForm::parse),
         ..BenchConfig::default()
     })
 }
@@ -154,7 +169,8 @@ pub fn config(a: &BenchArgs) -> anyhow::Result<BenchConfig> {
 /// Run `herald bench`: an engine error exits with its code, anything else as bad input.
 pub fn run(a: BenchArgs) -> Result<(), Failure> {
     init_logging(std::env::var("RUST_LOG").as_deref().unwrap_or("warn"));
-    bench(&a).map(|_| ()).map_err(|e| {
+    let result = if a.profile.is_some() { profile(&a) } else { bench(&a).map(|_| ()) };
+    result.map_err(|e| {
         let code = e.downcast_ref::<engine::EngineError>().map_or(exit::INPUT, exit::engine_code);
         fail(code, e)
     })
@@ -179,4 +195,44 @@ pub fn bench(a: &BenchArgs) -> anyhow::Result<BenchResult> {
     }
     let _ = std::io::stdout().lock().write_all(md.as_bytes());
     Ok(r)
+}
+
+/// `herald bench --profile vocoder`: the vocoder's time per op type, as markdown (and JSON).
+///
+/// # Errors
+/// Bundle, graph and output errors.
+pub fn profile(a: &BenchArgs) -> anyhow::Result<()> {
+    let cfg = config(a)?;
+    backend_tract::set_compute_threads(cfg.threads);
+    let manifest = engine::bundle::read_manifest(&a.bundle)?;
+    let form = cfg.vocoder.unwrap_or_else(|| manifest.default_vocoder_form());
+    let frames = usize::try_from(a.profile_frames).unwrap_or(25);
+    let runs = a.vocoder_steps.max(1);
+    let (ops, total) = backend_tract::profile::profile_vocoder(&a.bundle, &manifest, form, frames, runs)?;
+    let what = match form {
+        model::backend::VocoderForm::Windowed => format!("one single pass of {frames} frames"),
+        model::backend::VocoderForm::Stateful => format!("one stateful chunk of {frames} frames"),
+    };
+    let mut md = format!(
+        "Vocoder profile (herald's tract): {what}, bundle `{}`, {} compute thread(s), median of {runs} run(s): {total:.1} ms ({:.1} ms per frame).\n\n| op type | tract ops | nodes | ms | share |\n|---|---|---|---|---|\n",
+        a.bundle.display(),
+        cfg.threads,
+        total / frames as f64
+    );
+    let sum: f64 = ops.iter().map(|o| o.ms).sum::<f64>().max(f64::MIN_POSITIVE);
+    for o in &ops {
+        md.push_str(&format!("| {} | {} | {} | {:.1} | {:.1} % |\n", o.op, o.tract_ops.join(", "), o.nodes, o.ms, 100.0 * o.ms / sum));
+    }
+    if let Some(p) = &a.json {
+        let json = serde_json::json!({
+            "bundle": a.bundle, "form": form.name(), "frames": frames, "threads": cfg.threads, "runs": runs,
+            "total_ms": total, "ops": ops,
+        });
+        write_atomic(p, &serde_json::to_vec_pretty(&json).context("serializing the profile")?)?;
+    }
+    if let Some(p) = &a.markdown {
+        write_atomic(p, md.as_bytes())?;
+    }
+    let _ = std::io::stdout().lock().write_all(md.as_bytes());
+    Ok(())
 }

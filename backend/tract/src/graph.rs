@@ -90,12 +90,18 @@ fn check_io(path: &Path, kind: &str, got: &[&pb::ValueInfoProto], want: &[Tensor
 pub(crate) fn load(dir: &Path, name: &str, info: &GraphInfo) -> Result<Graph, GraphError> {
     let t0 = Instant::now();
     let path = dir.join(&info.file);
-    let onnx = tract_onnx::onnx();
+    let mut onnx = tract_onnx::onnx();
+    crate::snake::register(&mut onnx);
     let mut proto =
         onnx.proto_model_for_path(&path).map_err(|e| GraphError::Load { path: path.clone(), message: format!("{e:#}") })?;
     let report = crate::sanitize::sanitize(&mut proto);
     if !report.is_unchanged() {
         log::info!("{}: sanitized: {report}", path.display());
+    }
+    // after the IO check's view of the proto is taken below; the fusion keeps the IO as it is
+    let fused = crate::snake::fuse_snakes(&mut proto);
+    if fused > 0 {
+        log::debug!("{}: {fused} SnakeBeta activations fused into one op each", path.display());
     }
     let graph = proto.graph.as_ref().ok_or_else(|| GraphError::Load { path: path.clone(), message: "model has no graph".into() })?;
     let inits: std::collections::HashSet<&str> = graph.initializer.iter().map(|i| i.name.as_str()).collect();

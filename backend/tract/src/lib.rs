@@ -10,7 +10,9 @@
 
 pub mod compute;
 mod graph;
+pub mod profile;
 pub mod sanitize;
+pub mod snake;
 pub mod stack;
 pub mod vocoder;
 

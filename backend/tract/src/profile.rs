@@ -1,0 +1,125 @@
+//! Per-node timing of a vocoder graph on tract, folded onto ONNX op types: where the vocoder's
+//! time goes (`herald bench --profile vocoder`, docs/performance.md "Vocoder profile").
+
+use std::collections::BTreeMap;
+use std::path::Path;
+use std::time::Instant;
+
+use model::backend::{BackendError, VocoderForm};
+use model::frame::CODEBOOKS;
+use model::manifest::{Dim, Manifest};
+use tract_onnx::prelude::*;
+
+/// The time one op type took in one run, summed over its nodes.
+#[derive(Debug, Clone, PartialEq, serde::Serialize)]
+pub struct OpTime {
+    /// The ONNX op type the nodes came from (herald-export names a node `n_<OpType>_<id>`;
+    /// tract names the nodes it derives `<onnx node>.<part>`); a fused SnakeBeta is `SnakeBeta`;
+    /// tract's own op name where the ONNX one is unknown.
+    pub op: String,
+    /// tract's op names for these nodes (e.g. `OptMatMul`, `Im2col` for a `Conv`).
+    pub tract_ops: Vec<String>,
+    /// Median over the runs of the summed node time, milliseconds.
+    pub ms: f64,
+    /// Nodes of the optimized plan.
+    pub nodes: usize,
+}
+
+/// The ONNX op type in a herald-export node name (`scope/n_Conv_12.im2col` → `Conv`).
+fn onnx_op(node_name: &str) -> Option<&str> {
+    let last = node_name.rsplit('/').next()?;
+    let base = last.split('.').next()?;
+    let rest = base.strip_prefix("n_")?;
+    let (op, id) = rest.rsplit_once('_')?;
+    id.chars().all(|c| c.is_ascii_digit()).then_some(op)
+}
+
+/// Profile `runs` runs (after one warm-up) of the bundle's vocoder graph in `form` over `frames`
+/// frames: windowed, one single pass of `frames` frames; stateful, one chunk of `frames` frames
+/// from the zero state. Returns the op types by decreasing time and the median total ms.
+///
+/// # Errors
+/// [`BackendError`] when the graph cannot be loaded or run, or the bundle has no graph of that
+/// form.
+pub fn profile_vocoder(
+    dir: &Path,
+    manifest: &Manifest,
+    form: VocoderForm,
+    frames: usize,
+    runs: usize,
+) -> Result<(Vec<OpTime>, f64), BackendError> {
+    let key =
+        manifest.vocoder_graph(form).ok_or_else(|| BackendError::Unsupported(format!("the bundle has no {form} vocoder graph")))?;
+    let info = manifest.graphs.get(key).ok_or_else(|| BackendError::Unsupported(format!("bundle.toml has no graph {key:?}")))?;
+    let graph = crate::graph::load(dir, key, info)?;
+    let path = dir.join(&info.file);
+    let rt = |e: TractError| BackendError::Runtime { path: path.clone(), backend: "tract", message: format!("{e:#}") };
+    let codes = Tensor::from_shape(
+        &[1, CODEBOOKS, frames],
+        &(0..CODEBOOKS * frames).map(|i| ((i % frames * 131 + i / frames * 977) % 2048) as i64).collect::<Vec<_>>(),
+    )
+    .map_err(rt)?;
+    let mut inputs: TVec<TValue> = tvec![codes.into_tvalue()];
+    for spec in info.inputs.iter().skip(1) {
+        let shape: Vec<usize> = spec.shape.iter().map(|d| if let Dim::Fixed(n) = d { *n as usize } else { 0 }).collect();
+        let t = if spec.dtype == "int64" { Tensor::zero::<i64>(&shape) } else { Tensor::zero::<f32>(&shape) };
+        inputs.push(t.map_err(rt)?.into_tvalue());
+    }
+    let model = graph.plan.model();
+    let mut state = graph.plan.spawn().map_err(rt)?;
+    let mut per_run: Vec<Vec<f64>> = Vec::new();
+    let mut totals = Vec::new();
+    for run in 0..=runs.max(1) {
+        let mut times = vec![0.0f64; model.nodes().len()];
+        let t0 = Instant::now();
+        state
+            .run_plan_with_eval(inputs.clone(), |ctx, st, node, input| {
+                let t = Instant::now();
+                let r = tract_onnx::tract_core::plan::eval(ctx, st, node, input);
+                times[node.id] += t.elapsed().as_secs_f64();
+                r
+            })
+            .map_err(rt)?;
+        if run > 0 {
+            totals.push(t0.elapsed().as_secs_f64() * 1e3);
+            per_run.push(times);
+        }
+    }
+    let mut by_op: BTreeMap<String, (Vec<String>, Vec<f64>, usize)> = BTreeMap::new();
+    for node in model.nodes() {
+        let tract_op = node.op().name().to_string();
+        let op = if tract_op == "HeraldSnake" {
+            "SnakeBeta".to_owned()
+        } else {
+            onnx_op(&node.name).map_or_else(|| tract_op.clone(), str::to_owned)
+        };
+        let e = by_op.entry(op).or_insert_with(|| (Vec::new(), vec![0.0; per_run.len()], 0));
+        if !e.0.contains(&tract_op) {
+            e.0.push(tract_op);
+        }
+        for (r, times) in per_run.iter().enumerate() {
+            e.1[r] += times[node.id] * 1e3;
+        }
+        e.2 += 1;
+    }
+    let mut out: Vec<OpTime> = by_op
+        .into_iter()
+        .map(|(op, (tract_ops, mut ms, nodes))| OpTime { op, tract_ops, ms: model::stats::median(&mut ms), nodes })
+        .collect();
+    out.sort_by(|a, b| b.ms.total_cmp(&a.ms));
+    Ok((out, model::stats::median(&mut totals)))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::onnx_op;
+
+    #[test]
+    fn op_types_come_from_herald_export_node_names() {
+        assert_eq!(onnx_op("block4/n_Conv_1497.im2col"), Some("Conv"));
+        assert_eq!(onnx_op("pre_transformer/layer2/n_Mul_351"), Some("Mul"));
+        assert_eq!(onnx_op("pos/n_ReduceSum_9"), Some("ReduceSum"));
+        assert_eq!(onnx_op("out/wav"), None);
+        assert_eq!(onnx_op("n_Conv_x"), None);
+    }
+}
