@@ -143,7 +143,7 @@ fn every_snake_is_fused_and_the_profile_names_the_op_types() {
     let dir = common::bundle("tiny-0.6b");
     let m = engine::read_manifest(&dir).unwrap();
     for form in [VocoderForm::Windowed, VocoderForm::Stateful] {
-        let (ops, total) = backend_tract::profile::profile_vocoder(&dir, &m, form, 3, 1).unwrap();
+        let (ops, total) = backend_tract::profile::profile_vocoder(&dir, &m, form, 3, 1, false).unwrap();
         assert!(total > 0.0);
         let nodes = |op: &str| ops.iter().find(|o| o.op == op).map_or(0, |o| o.nodes);
         // 4 decoder blocks x (1 + 3 residual units x 2) SnakeBeta + the final one

@@ -33,6 +33,7 @@ import collections
 import json
 import os
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -116,6 +117,19 @@ def tract_profile(model, path: Path, codes: np.ndarray) -> dict[str, float]:
     return dict(out)
 
 
+def herald_profile(args, form: str, frames: int) -> dict:
+    """``herald bench --profile vocoder`` of ``form`` over ``frames`` frames (its JSON)."""
+    with tempfile.TemporaryDirectory() as d:
+        out = Path(d) / "profile.json"
+        cmd = [str(args.herald), "bench", "--bundle", str(args.bundle), "--profile", "vocoder", "--vocoder", form,
+               "--profile-frames", str(frames), "--threads", str(args.threads), "--vocoder-steps", str(args.runs),
+               "--json", str(out)]
+        r = subprocess.run(cmd, capture_output=True, text=True)
+        if r.returncode != 0:
+            fail(f"{' '.join(cmd)} exited with {r.returncode}: {r.stderr.strip()[-500:]}")
+        return json.loads(out.read_text(encoding="utf-8"))
+
+
 def median_ms(run, runs: int) -> float:
     run()
     t = []
@@ -132,6 +146,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--frames", type=int, default=25, help="frames of the profiled single pass (default 25)")
     ap.add_argument("--threads", type=int, default=1, help="onnxruntime intra-op threads (tract: 1)")
     ap.add_argument("--runs", type=int, default=3)
+    ap.add_argument("--herald", type=Path, help="a herald binary: its own tract profile (herald bench --profile "
+                    "vocoder, SnakeBeta fused) replaces the tract Python package's in the op table")
     ap.add_argument("--markdown", type=Path)
     args = ap.parse_args(argv)
     if args.frames < 1 or args.runs < 1 or args.threads < 1:
@@ -149,11 +165,16 @@ def main(argv: list[str] | None = None) -> int:
     codes = codes_for(args.frames)
     o = ort_profile(windowed, codes, args.threads, args.runs)
     tm = tract_model(windowed, args.threads)
-    t = tract_profile(tm, windowed, codes)
+    if args.herald:
+        t = {op["op"]: op["ms"] for op in herald_profile(args, "windowed", args.frames)["ops"]}
+        who = f"herald's tract ({args.herald.name} bench --profile vocoder, SnakeBeta fused) on {args.threads}"
+    else:
+        t = tract_profile(tm, windowed, codes)
+        who = "tract (Python package) on 1"
     to, tt = sum(o.values()), sum(t.values())
     lines = [
         f"Vocoder profile: one single pass of {args.frames} frames through `{windowed.name}` "
-        f"({args.bundle.name}), onnxruntime {ort.__version__} on {args.threads} thread(s), tract (Python package) on 1.",
+        f"({args.bundle.name}), onnxruntime {ort.__version__} on {args.threads} thread(s), {who}.",
         "",
         "| op type | tract ms | tract share | onnxruntime ms | onnxruntime share | tract / onnxruntime |",
         "|---|---|---|---|---|---|",
@@ -169,9 +190,13 @@ def main(argv: list[str] | None = None) -> int:
     # cost per emitted frame
     so = ort_session(windowed, args.threads, False)
     win = codes_for(ctx + chunk)
+    def tract_ms(form: str, frames: int, run) -> float:
+        return herald_profile(args, form, frames)["total_ms"] if args.herald else median_ms(run, args.runs)
+
     rows = [
         ("single pass", ctx + chunk, ctx + chunk,
-         median_ms(lambda: tm.run([win]), args.runs), median_ms(lambda: so.run(None, {"codes": win}), args.runs)),
+         tract_ms("windowed", ctx + chunk, lambda: tm.run([win])),
+         median_ms(lambda: so.run(None, {"codes": win}), args.runs)),
         (f"windowed ({ctx} + {chunk})", ctx + chunk, chunk, None, None),
     ]
     rows[1] = (rows[1][0], rows[1][1], rows[1][2], rows[0][3], rows[0][4])  # the same computation
@@ -185,9 +210,12 @@ def main(argv: list[str] | None = None) -> int:
         for n in sorted({1, 2, chunk}):
             c = codes_for(n)
             feeds = dict(zip(names, [c, *zeros]))
-            rows.append((f"stateful chunk of {n}", n, n, median_ms(lambda c=c: sm.run([c, *zeros]), args.runs),
+            rows.append((f"stateful chunk of {n}", n, n, tract_ms("stateful", n, lambda c=c: sm.run([c, *zeros])),
                          median_ms(lambda f=feeds: ss.run(None, f), args.runs)))
     lines += [
+        "",
+        f"Cost per emitted frame ({'herald' if args.herald else 'tract Python package'} vs onnxruntime, "
+        f"{args.threads} thread(s), median of {args.runs}):",
         "",
         "| decoding | frames computed | frames emitted | tract ms per emitted frame | onnxruntime ms per emitted frame | tract / onnxruntime |",
         "|---|---|---|---|---|---|",

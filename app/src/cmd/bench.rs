@@ -109,6 +109,10 @@ pub struct BenchArgs {
     /// Frames of the profiled vocoder pass.
     #[arg(long, default_value_t = 25, value_name = "N", value_parser = clap::value_parser!(u64).range(1..=1000))]
     pub profile_frames: u64,
+    /// Profile a plan optimized for exactly `--profile-frames` frames (concrete shapes) rather
+    /// than the graph's symbolic length.
+    #[arg(long)]
+    pub profile_concrete: bool,
     /// Write the results as JSON to FILE.
     #[arg(long, value_name = "FILE")]
     pub json: Option<PathBuf>,
@@ -208,20 +212,28 @@ pub fn profile(a: &BenchArgs) -> anyhow::Result<()> {
     let form = cfg.vocoder.unwrap_or_else(|| manifest.default_vocoder_form());
     let frames = usize::try_from(a.profile_frames).unwrap_or(25);
     let runs = a.vocoder_steps.max(1);
-    let (ops, total) = backend_tract::profile::profile_vocoder(&a.bundle, &manifest, form, frames, runs)?;
+    // under a frame pool, as the engine's vocoder thread runs (without one, every large block
+    // tract asks for is a fresh mapping whose page faults land on the op that writes it first)
+    let pool = engine::pool::FramePool::new(cfg.pool_bytes);
+    let guard = pool.install().context("installing the frame pool")?;
+    let profiled = backend_tract::profile::profile_vocoder(&a.bundle, &manifest, form, frames, runs, a.profile_concrete);
+    drop(guard);
+    let (ops, total) = profiled?;
     let what = match form {
         model::backend::VocoderForm::Windowed => format!("one single pass of {frames} frames"),
         model::backend::VocoderForm::Stateful => format!("one stateful chunk of {frames} frames"),
     };
     let mut md = format!(
-        "Vocoder profile (herald's tract): {what}, bundle `{}`, {} compute thread(s), median of {runs} run(s): {total:.1} ms ({:.1} ms per frame).\n\n| op type | tract ops | nodes | ms | share |\n|---|---|---|---|---|\n",
+        "Vocoder profile (herald's tract): {what}, bundle `{}`, {} compute thread(s), median of {runs} run(s): {total:.1} ms ({:.1} ms per frame).\n\n| op type | tract ops (ms) | nodes | ms | share |\n|---|---|---|---|---|\n",
         a.bundle.display(),
         cfg.threads,
         total / frames as f64
     );
     let sum: f64 = ops.iter().map(|o| o.ms).sum::<f64>().max(f64::MIN_POSITIVE);
     for o in &ops {
-        md.push_str(&format!("| {} | {} | {} | {:.1} | {:.1} % |\n", o.op, o.tract_ops.join(", "), o.nodes, o.ms, 100.0 * o.ms / sum));
+        let parts: Vec<String> =
+            o.tract_ops.iter().filter(|(_, ms)| *ms >= 0.05).map(|(name, ms)| format!("{name} {ms:.1}")).collect();
+        md.push_str(&format!("| {} | {} | {} | {:.1} | {:.1} % |\n", o.op, parts.join(", "), o.nodes, o.ms, 100.0 * o.ms / sum));
     }
     if let Some(p) = &a.json {
         let json = serde_json::json!({

@@ -88,6 +88,19 @@ fn check_io(path: &Path, kind: &str, got: &[&pb::ValueInfoProto], want: &[Tensor
 /// [`GraphError::Load`] for a missing or undecodable file, [`GraphError::Mismatch`] when the
 /// graph's IO differs from `info`, [`GraphError::Runtime`] when tract cannot optimize it.
 pub(crate) fn load(dir: &Path, name: &str, info: &GraphInfo) -> Result<Graph, GraphError> {
+    let mut plans = load_plans(dir, name, info, &[None])?;
+    plans.pop().ok_or_else(|| GraphError::Unsupported(format!("{name}: no plan")))
+}
+
+/// [`load`] once per entry of `frames`, parsing the file once: `Some(n)` fixes the first
+/// input's symbolic dimension to `n` (a vocoder graph's `codes [1, 16, frames]`) before tract
+/// optimizes, because tract picks its faster convolution kernels (lazy im2col, direct spatial)
+/// only for concrete shapes; `None` keeps it symbolic. Each plan holds its own optimized
+/// (packed) weights.
+///
+/// # Errors
+/// As [`load`].
+pub(crate) fn load_plans(dir: &Path, name: &str, info: &GraphInfo, frames: &[Option<usize>]) -> Result<Vec<Graph>, GraphError> {
     let t0 = Instant::now();
     let path = dir.join(&info.file);
     let mut onnx = tract_onnx::onnx();
@@ -109,11 +122,11 @@ pub(crate) fn load(dir: &Path, name: &str, info: &GraphInfo) -> Result<Graph, Gr
     let outputs: Vec<&pb::ValueInfoProto> = graph.output.iter().collect();
     check_io(&path, "input", &inputs, &info.inputs)?;
     check_io(&path, "output", &outputs, &info.outputs)?;
-    let input_names = inputs.iter().map(|v| v.name.clone()).collect();
-    let output_names = outputs.iter().map(|v| v.name.clone()).collect();
+    let input_names: Vec<String> = inputs.iter().map(|v| v.name.clone()).collect();
+    let output_names: Vec<String> = outputs.iter().map(|v| v.name.clone()).collect();
     let tract_err = |e: TractError| GraphError::Runtime { path: path.clone(), backend: "tract", message: format!("{e:#}") };
     let dir_str = dir.to_str();
-    let parsed = onnx.parse(&proto, dir_str).map_err(tract_err)?;
+    let mut parsed = onnx.parse(&proto, dir_str).map_err(tract_err)?;
     if !parsed.unresolved_inputs.is_empty() {
         return Err(GraphError::Runtime {
             path: path.clone(),
@@ -121,8 +134,20 @@ pub(crate) fn load(dir: &Path, name: &str, info: &GraphInfo) -> Result<Graph, Gr
             message: format!("unresolved inputs {:?}", parsed.unresolved_inputs),
         });
     }
-    let plan = parsed.model.into_optimized().map_err(tract_err)?.into_runnable().map_err(tract_err)?;
-    let load_seconds = t0.elapsed().as_secs_f64();
-    log::debug!("{name}: loaded {} in {:.2} s", path.display(), load_seconds);
-    Ok(Graph { plan, inputs: input_names, outputs: output_names, load_seconds })
+    let mut plans = Vec::with_capacity(frames.len());
+    let mut t = t0;
+    for (i, f) in frames.iter().enumerate() {
+        let mut model = if i + 1 == frames.len() { std::mem::take(&mut parsed.model) } else { parsed.model.clone() };
+        if let Some(n) = *f {
+            let fact = model.input_fact(0).map_err(tract_err)?.clone();
+            let dt = fact.datum_type().unwrap_or(i64::datum_type());
+            model.set_input_fact(0, InferenceFact::dt_shape(dt, [1, model::frame::CODEBOOKS, n])).map_err(tract_err)?;
+        }
+        let plan = model.into_optimized().map_err(tract_err)?.into_runnable().map_err(tract_err)?;
+        let load_seconds = t.elapsed().as_secs_f64();
+        t = Instant::now();
+        log::debug!("{name}: loaded {} ({f:?} frames) in {:.2} s", path.display(), load_seconds);
+        plans.push(Graph { plan, inputs: input_names.clone(), outputs: output_names.clone(), load_seconds });
+    }
+    Ok(plans)
 }

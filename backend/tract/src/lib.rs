@@ -48,7 +48,18 @@ impl Backend for Tract {
         })?;
         let talker = g(&manifest.talker.graph)?;
         let predictor = g(&manifest.code_predictor.graph)?;
-        let vocoder = g(vocoder_key)?;
+        let info = manifest
+            .graphs
+            .get(vocoder_key)
+            .ok_or_else(|| BackendError::Unsupported(format!("bundle.toml has no graph {vocoder_key:?}")))?;
+        let vocoder = match form {
+            VocoderForm::Windowed => vec![(0, graph::load(dir, vocoder_key, info)?)],
+            VocoderForm::Stateful => {
+                let sizes: Vec<Option<usize>> = vocoder::STREAM_PLAN_FRAMES.iter().map(|&n| Some(n)).collect();
+                let plans = graph::load_plans(dir, vocoder_key, info, &sizes)?;
+                vocoder::STREAM_PLAN_FRAMES.iter().copied().zip(plans).collect()
+            }
+        };
         Ok(Box::new(TractGraphs { manifest: manifest.clone(), talker, predictor, vocoder, vocoder_form: form }))
     }
 }
@@ -60,7 +71,9 @@ pub struct TractGraphs {
     manifest: Manifest,
     talker: graph::Graph,
     predictor: graph::Graph,
-    vocoder: graph::Graph,
+    /// The windowed graph (frames 0: symbolic), or the stream graph's concrete plans (frames
+    /// per run, [`vocoder::STREAM_PLAN_FRAMES`]).
+    vocoder: Vec<(usize, graph::Graph)>,
     vocoder_form: VocoderForm,
 }
 
@@ -92,13 +105,17 @@ impl LoadedGraphs for TractGraphs {
         let m = &self.manifest;
         let spf = m.audio.samples_per_frame as usize;
         match self.vocoder_form {
-            VocoderForm::Windowed => Ok(Box::new(vocoder::TractVocoder::new(&self.vocoder, max_window, spf)?)),
+            VocoderForm::Windowed => {
+                let (_, g) = self.vocoder.first().ok_or_else(|| VocoderError("no vocoder graph loaded".into()))?;
+                Ok(Box::new(vocoder::TractVocoder::new(g, max_window, spf)?))
+            }
             VocoderForm::Stateful => {
                 let info = m
                     .vocoder_graph(VocoderForm::Stateful)
                     .and_then(|k| m.graphs.get(k))
                     .ok_or_else(|| VocoderError("bundle.toml has no stream graph".into()))?;
-                Ok(Box::new(vocoder::TractStreamVocoder::new(&self.vocoder, info, max_window, spf)?))
+                let plans: Vec<(usize, &graph::Graph)> = self.vocoder.iter().map(|(n, g)| (*n, g)).collect();
+                Ok(Box::new(vocoder::TractStreamVocoder::new(&plans, info, max_window, spf)?))
             }
         }
     }
@@ -108,6 +125,10 @@ impl LoadedGraphs for TractGraphs {
     }
 
     fn load_times(&self) -> LoadTimes {
-        LoadTimes { talker: self.talker.load_seconds, code_predictor: self.predictor.load_seconds, vocoder: self.vocoder.load_seconds }
+        LoadTimes {
+            talker: self.talker.load_seconds,
+            code_predictor: self.predictor.load_seconds,
+            vocoder: self.vocoder.iter().map(|(_, g)| g.load_seconds).sum(),
+        }
     }
 }

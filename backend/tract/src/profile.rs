@@ -17,8 +17,9 @@ pub struct OpTime {
     /// tract names the nodes it derives `<onnx node>.<part>`); a fused SnakeBeta is `SnakeBeta`;
     /// tract's own op name where the ONNX one is unknown.
     pub op: String,
-    /// tract's op names for these nodes (e.g. `OptMatMul`, `Im2col` for a `Conv`).
-    pub tract_ops: Vec<String>,
+    /// tract's op names for these nodes (e.g. `OptMatMul`, `Im2col` for a `Conv`), with the
+    /// median ms of each, largest first.
+    pub tract_ops: Vec<(String, f64)>,
     /// Median over the runs of the summed node time, milliseconds.
     pub ms: f64,
     /// Nodes of the optimized plan.
@@ -47,11 +48,14 @@ pub fn profile_vocoder(
     form: VocoderForm,
     frames: usize,
     runs: usize,
+    concrete: bool,
 ) -> Result<(Vec<OpTime>, f64), BackendError> {
     let key =
         manifest.vocoder_graph(form).ok_or_else(|| BackendError::Unsupported(format!("the bundle has no {form} vocoder graph")))?;
     let info = manifest.graphs.get(key).ok_or_else(|| BackendError::Unsupported(format!("bundle.toml has no graph {key:?}")))?;
-    let graph = crate::graph::load(dir, key, info)?;
+    let graph = crate::graph::load_plans(dir, key, info, &[concrete.then_some(frames)])?
+        .pop()
+        .ok_or_else(|| BackendError::Unsupported(format!("{key}: no plan")))?;
     let path = dir.join(&info.file);
     let rt = |e: TractError| BackendError::Runtime { path: path.clone(), backend: "tract", message: format!("{e:#}") };
     let codes = Tensor::from_shape(
@@ -85,7 +89,9 @@ pub fn profile_vocoder(
             per_run.push(times);
         }
     }
-    let mut by_op: BTreeMap<String, (Vec<String>, Vec<f64>, usize)> = BTreeMap::new();
+    // op type -> (tract op -> ms per run, ms per run, nodes)
+    type Acc = (BTreeMap<String, Vec<f64>>, Vec<f64>, usize);
+    let mut by_op: BTreeMap<String, Acc> = BTreeMap::new();
     for node in model.nodes() {
         let tract_op = node.op().name().to_string();
         let op = if tract_op == "HeraldSnake" {
@@ -93,18 +99,22 @@ pub fn profile_vocoder(
         } else {
             onnx_op(&node.name).map_or_else(|| tract_op.clone(), str::to_owned)
         };
-        let e = by_op.entry(op).or_insert_with(|| (Vec::new(), vec![0.0; per_run.len()], 0));
-        if !e.0.contains(&tract_op) {
-            e.0.push(tract_op);
-        }
+        let e = by_op.entry(op).or_insert_with(|| (BTreeMap::new(), vec![0.0; per_run.len()], 0));
+        let sub = e.0.entry(tract_op).or_insert_with(|| vec![0.0; per_run.len()]);
         for (r, times) in per_run.iter().enumerate() {
             e.1[r] += times[node.id] * 1e3;
+            sub[r] += times[node.id] * 1e3;
         }
         e.2 += 1;
     }
     let mut out: Vec<OpTime> = by_op
         .into_iter()
-        .map(|(op, (tract_ops, mut ms, nodes))| OpTime { op, tract_ops, ms: model::stats::median(&mut ms), nodes })
+        .map(|(op, (subs, mut ms, nodes))| {
+            let mut tract_ops: Vec<(String, f64)> =
+                subs.into_iter().map(|(name, mut v)| (name, model::stats::median(&mut v))).collect();
+            tract_ops.sort_by(|a, b| b.1.total_cmp(&a.1));
+            OpTime { op, tract_ops, ms: model::stats::median(&mut ms), nodes }
+        })
         .collect();
     out.sort_by(|a, b| b.ms.total_cmp(&a.ms));
     Ok((out, model::stats::median(&mut totals)))

@@ -76,15 +76,33 @@ impl VocoderSession for TractVocoder {
     }
 }
 
-/// The stateful streaming vocoder on tract (`[vocoder].stream_graph`): codes `[1, 16, n]` of the
-/// chunk's new frames plus the carried `state.<name>` tensors → PCM `[1, n × 1920]` plus
-/// `next.<name>` (docs/bundle.md "Stateful vocoder").
-///
-/// The session owns the state between calls (tract values, swapped for the outputs after each
-/// successful chunk; no copy) and resets it to zeros per utterance.
-pub struct TractStreamVocoder {
+/// Frames per run of the stateful vocoder's plans, largest first: a chunk of n frames runs as
+/// n / 2 runs of a plan optimized for exactly 2 frames, plus one run of the 1-frame plan when n
+/// is odd. The stateful decoder is exact for any split, and tract picks its faster convolution
+/// kernels only for concrete shapes (lazy im2col instead of a materialized one): measured at 0.6B
+/// dimensions on one thread of the build machine (`herald bench --profile vocoder
+/// --profile-concrete`), 88 ms per frame for 2-frame runs against 140 ms per frame for one
+/// symbolic 25-frame run; 2-frame runs were as fast as 8- or 25-frame ones with a concrete
+/// plan, and 1-frame runs about 25 % slower (docs/performance.md "Vocoder").
+pub const STREAM_PLAN_FRAMES: [usize; 2] = [2, 1];
+
+/// One concrete plan of the stream graph and its state.
+struct StreamPlan {
+    frames: usize,
     state: TypedSimpleState,
     codes: Arc<Tensor>,
+}
+
+/// The stateful streaming vocoder on tract (`[vocoder].stream_graph`): codes `[1, 16, n]` of the
+/// chunk's new frames plus the carried `state.<name>` tensors → PCM `[1, n × 1920]` plus
+/// `next.<name>` (docs/bundle.md "Stateful vocoder"), run as plans of fixed frame counts
+/// ([`STREAM_PLAN_FRAMES`]).
+///
+/// The session owns the state between calls (tract values, swapped for the outputs after each
+/// run; no copy) and resets it to zeros per utterance. The codes inputs are allocated once per
+/// plan.
+pub struct TractStreamVocoder {
+    plans: Vec<StreamPlan>,
     /// The all-zero state of an utterance's start, one tensor per `state.*` input in graph order.
     zeros: Vec<TValue>,
     /// The state the next chunk starts from.
@@ -98,6 +116,7 @@ pub struct TractStreamVocoder {
 impl std::fmt::Debug for TractStreamVocoder {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("TractStreamVocoder")
+            .field("plans", &self.plans.iter().map(|p| p.frames).collect::<Vec<_>>())
             .field("states", &self.zeros.len())
             .field("max_chunk", &self.max_chunk)
             .finish_non_exhaustive()
@@ -105,20 +124,26 @@ impl std::fmt::Debug for TractStreamVocoder {
 }
 
 impl TractStreamVocoder {
-    /// A session of the stream graph `graph` (IO `info`) for chunks of at most `max_chunk`
-    /// frames of `samples_per_frame` samples.
+    /// A session of the stream graph's concrete plans `plans` (frames per run, plan; one of
+    /// them for 1 frame; IO `info`) for chunks of at most `max_chunk` frames of
+    /// `samples_per_frame` samples.
     ///
     /// # Errors
-    /// [`VocoderError`] when the graph's IO is not `codes, state.*` → `wav, next.*` with a
-    /// `next.<name>` for every `state.<name>`, a state has a symbolic dimension or an
-    /// unsupported dtype (float32, int64), or tract cannot spawn the plan.
+    /// [`VocoderError`] when there is no 1-frame plan, the graph's IO is not `codes, state.*` →
+    /// `wav, next.*` with a `next.<name>` for every `state.<name>`, a state has a symbolic
+    /// dimension or an unsupported dtype (float32, int64), or tract cannot spawn a plan.
     pub(crate) fn new(
-        graph: &Graph,
+        plans: &[(usize, &Graph)],
         info: &model::manifest::GraphInfo,
         max_chunk: usize,
         samples_per_frame: usize,
     ) -> Result<Self, VocoderError> {
         use model::manifest::Dim;
+        let graph = plans
+            .iter()
+            .find(|(n, _)| *n == 1)
+            .map(|(_, g)| *g)
+            .ok_or_else(|| VocoderError("the stateful vocoder needs a 1-frame plan".into()))?;
         if graph.inputs.first().map(String::as_str) != Some("codes") || graph.outputs.first().map(String::as_str) != Some("wav") {
             return Err(VocoderError(format!(
                 "stream graph IO must start with input codes and output wav, has {:?} -> {:?}",
@@ -155,10 +180,68 @@ impl TractStreamVocoder {
         if info.inputs.len() != graph.inputs.len() {
             return Err(VocoderError("stream graph inputs differ from bundle.toml".into()));
         }
-        let state = graph.plan.spawn().map_err(err)?;
-        let codes = Arc::new(Tensor::zero::<i64>(&[1, CODEBOOKS, 1]).map_err(err)?);
+        let mut ps = plans
+            .iter()
+            .map(|(n, g)| {
+                if g.outputs != graph.outputs || g.inputs != graph.inputs {
+                    return Err(VocoderError(format!("the {n}-frame plan has other IO than the 1-frame one")));
+                }
+                Ok(StreamPlan {
+                    frames: *n,
+                    state: g.plan.spawn().map_err(err)?,
+                    codes: Arc::new(Tensor::zero::<i64>(&[1, CODEBOOKS, *n]).map_err(err)?),
+                })
+            })
+            .collect::<Result<Vec<_>, _>>()?;
+        ps.sort_by_key(|p| std::cmp::Reverse(p.frames));
         let carried = zeros.clone();
-        Ok(TractStreamVocoder { state, codes, zeros, carried, next_index, max_chunk, samples_per_frame })
+        Ok(TractStreamVocoder { plans: ps, zeros, carried, next_index, max_chunk, samples_per_frame })
+    }
+
+    /// One run of the plan `p` over `frames` (exactly its frame count), writing its samples
+    /// into `out` and advancing `carried`.
+    fn run(
+        p: &mut StreamPlan,
+        carried: &mut [TValue],
+        zeros: &[TValue],
+        next_index: &[usize],
+        frames: &[Frame],
+        out: &mut [f32],
+    ) -> Result<(), VocoderError> {
+        let n = p.frames;
+        let codes = Arc::get_mut(&mut p.codes).ok_or_else(|| VocoderError("codes buffer still shared".into()))?;
+        let buf = view_mut::<i64>(codes).map_err(err)?;
+        for (f, frame) in frames.iter().enumerate() {
+            for (q, &c) in frame.iter().enumerate() {
+                buf[q * n + f] = i64::from(c);
+            }
+        }
+        let mut inputs: TVec<TValue> = TVec::with_capacity(1 + carried.len());
+        inputs.push(p.codes.clone().into_tvalue());
+        inputs.extend(carried.iter().cloned());
+        let mut outputs = p.state.run(inputs).map_err(err)?;
+        let wav = view::<f32>(&outputs[0]).map_err(err)?;
+        if wav.len() != out.len() {
+            return Err(VocoderError(format!("returned {} samples for {n} frames, expected {}", wav.len(), out.len())));
+        }
+        out.copy_from_slice(wav);
+        for ((slot, zero), &i) in carried.iter_mut().zip(zeros).zip(next_index) {
+            let next = std::mem::replace(&mut outputs[i], Tensor::zero::<f32>(&[0]).map_err(err)?.into_tvalue());
+            if next.shape() != zero.shape() {
+                return Err(VocoderError(format!(
+                    "stream graph returned a state of shape {:?}, expected {:?}",
+                    next.shape(),
+                    zero.shape()
+                )));
+            }
+            // tract may compute shape arithmetic in its symbolic-dim type: back to the declared dtype
+            *slot = if next.datum_type() == zero.datum_type() {
+                next
+            } else {
+                next.cast_to_dt(zero.datum_type()).map_err(err)?.into_owned().into_tvalue()
+            };
+        }
+        Ok(())
     }
 }
 
@@ -173,41 +256,27 @@ impl VocoderSession for TractStreamVocoder {
                 out.len()
             )));
         }
-        if self.codes.shape() != [1, CODEBOOKS, n] {
-            self.codes = Arc::new(Tensor::zero::<i64>(&[1, CODEBOOKS, n]).map_err(err)?);
-        }
-        let codes = Arc::get_mut(&mut self.codes).ok_or_else(|| VocoderError("codes buffer still shared".into()))?;
-        let buf = view_mut::<i64>(codes).map_err(err)?;
-        for (f, frame) in window.iter().enumerate() {
-            for (q, &c) in frame.iter().enumerate() {
-                buf[q * n + f] = i64::from(c);
-            }
-        }
-        let mut inputs: TVec<TValue> = TVec::with_capacity(1 + self.carried.len());
-        inputs.push(self.codes.clone().into_tvalue());
-        inputs.extend(self.carried.iter().cloned());
-        let mut outputs = self.state.run(inputs).map_err(err)?;
-        let wav = view::<f32>(&outputs[0]).map_err(err)?;
-        if wav.len() != n * spf {
-            return Err(VocoderError(format!("returned {} samples for {n} frames, expected {}", wav.len(), n * spf)));
-        }
-        out.copy_from_slice(wav);
-        for ((slot, zero), &i) in self.carried.iter_mut().zip(&self.zeros).zip(&self.next_index) {
-            let next = std::mem::replace(&mut outputs[i], Tensor::zero::<f32>(&[0]).map_err(err)?.into_tvalue());
-            if next.shape() != zero.shape() {
-                return Err(VocoderError(format!(
-                    "stream graph returned a state of shape {:?}, expected {:?}",
-                    next.shape(),
-                    zero.shape()
-                )));
-            }
-            // tract computes shape arithmetic (the position) in its symbolic-dim type: back to
-            // the declared int64
-            *slot = if next.datum_type() == zero.datum_type() {
-                next
-            } else {
-                next.cast_to_dt(zero.datum_type()).map_err(err)?.into_owned().into_tvalue()
+        // a failed run leaves the state as it was before the chunk
+        let before: Vec<TValue> = self.carried.clone();
+        let mut done = 0;
+        while done < n {
+            let Some(p) = self.plans.iter_mut().find(|p| p.frames <= n - done) else {
+                return Err(VocoderError("no plan fits the rest of the chunk".into()));
             };
+            let k = p.frames;
+            let r = Self::run(
+                p,
+                &mut self.carried,
+                &self.zeros,
+                &self.next_index,
+                &window[done..done + k],
+                &mut out[done * spf..(done + k) * spf],
+            );
+            if let Err(e) = r {
+                self.carried = before;
+                return Err(e);
+            }
+            done += k;
         }
         Ok(())
     }

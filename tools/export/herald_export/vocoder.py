@@ -899,8 +899,11 @@ def build_vocoder_graph(vw: VocoderWeights, stateful: bool = False) -> onnx.Mode
             pos = b.op("Range", [i64(0), t_len, i64(1)])
         else:
             p_in = b.input("state.position", np.int64, [1])
-            p0 = b.reshape(p_in, [])  # rank 0
-            pos = b.op("Range", [p0, b.add(p0, t_len), i64(1)])
+            # Range(0, T) + position rather than Range(position, position + T): a runtime that
+            # tracks shapes symbolically (tract) then still knows the length is the frame count
+            # (a data-dependent Range start would give it a new, unknown length, and every shape
+            # downstream would lose its concrete value in a plan built for a fixed chunk length)
+            pos = b.add(b.op("Range", [i64(0), t_len, i64(1)]), p_in)
             # next position = position + frames, counted from the data (every code is >= 0)
             # rather than from Shape: a runtime that folds shape arithmetic symbolically (tract)
             # would otherwise return an expression in the symbol instead of a number
