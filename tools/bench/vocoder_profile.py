@@ -118,12 +118,16 @@ def tract_profile(model, path: Path, codes: np.ndarray) -> dict[str, float]:
 
 
 def herald_profile(args, form: str, frames: int) -> dict:
-    """``herald bench --profile vocoder`` of ``form`` over ``frames`` frames (its JSON)."""
+    """``herald bench --profile vocoder --profile-concrete`` of ``form`` over ``frames`` frames (its JSON).
+
+    Concrete: a plan optimized for exactly ``frames`` frames, as herald runs its stateful vocoder
+    (plans of 2 and 1 frames, ``backend_tract::vocoder::STREAM_PLAN_FRAMES``); tract picks its
+    faster convolution kernels only for concrete shapes."""
     with tempfile.TemporaryDirectory() as d:
         out = Path(d) / "profile.json"
         cmd = [str(args.herald), "bench", "--bundle", str(args.bundle), "--profile", "vocoder", "--vocoder", form,
                "--profile-frames", str(frames), "--threads", str(args.threads), "--vocoder-steps", str(args.runs),
-               "--json", str(out)]
+               "--profile-concrete", "--json", str(out)]
         r = subprocess.run(cmd, capture_output=True, text=True)
         if r.returncode != 0:
             fail(f"{' '.join(cmd)} exited with {r.returncode}: {r.stderr.strip()[-500:]}")
@@ -167,7 +171,8 @@ def main(argv: list[str] | None = None) -> int:
     tm = tract_model(windowed, args.threads)
     if args.herald:
         t = {op["op"]: op["ms"] for op in herald_profile(args, "windowed", args.frames)["ops"]}
-        who = f"herald's tract ({args.herald.name} bench --profile vocoder, SnakeBeta fused) on {args.threads}"
+        who = (f"herald's tract ({args.herald.name} bench --profile vocoder --profile-concrete: SnakeBeta fused, a plan "
+               f"for exactly {args.frames} frames) on {args.threads}")
     else:
         t = tract_profile(tm, windowed, codes)
         who = "tract (Python package) on 1"
