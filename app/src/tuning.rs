@@ -11,6 +11,7 @@
 //! - Chunk ramp: `synthesis.ramp` when it is set explicitly (file, environment, flag); else this
 //!   board's calibration for this bundle when one is stored; else the default.
 
+use model::backend::VocoderForm;
 use std::path::{Path, PathBuf};
 
 use board::calibration::{self, Lookup};
@@ -77,14 +78,28 @@ pub struct Tuned {
 ///
 /// # Errors
 /// The directory cannot be listed.
-pub fn footprint(dir: &Path, m: &Manifest) -> std::io::Result<ModelFootprint> {
+///
+/// Only the vocoder graph of `form` counts (a bundle carries both the windowed and the stream
+/// graph; one is loaded), and the stream graph counts once per plan the tract backend optimizes
+/// from it ([`backend_tract::vocoder::STREAM_PLAN_FRAMES`]: each plan packs its own weights).
+pub fn footprint(dir: &Path, m: &Manifest, form: VocoderForm) -> std::io::Result<ModelFootprint> {
+    let file_of = |f: VocoderForm| m.vocoder_graph(f).and_then(|k| m.graphs.get(k)).map(|g| g.file.as_str());
+    let (used, unused) = match form {
+        VocoderForm::Windowed => (file_of(VocoderForm::Windowed), file_of(VocoderForm::Stateful)),
+        VocoderForm::Stateful => (file_of(VocoderForm::Stateful), file_of(VocoderForm::Windowed)),
+    };
+    let copies = if form == VocoderForm::Stateful { backend_tract::vocoder::STREAM_PLAN_FRAMES.len() as u64 } else { 1 };
     let mut files = 0u64;
     for e in std::fs::read_dir(dir)? {
         let e = e?;
         let md = e.metadata()?;
-        if md.is_file() && e.file_name() != m.tokenizer.file.as_str() {
-            files += md.len();
+        let name = e.file_name();
+        let name = name.to_string_lossy();
+        let belongs = |f: Option<&str>| f.is_some_and(|f| name == f || name.strip_suffix(".data") == Some(f));
+        if !md.is_file() || name == m.tokenizer.file.as_str() || belongs(unused) {
+            continue;
         }
+        files += if belongs(used) { md.len() * copies } else { md.len() };
     }
     Ok(ModelFootprint::of(m, files))
 }
@@ -135,9 +150,11 @@ pub fn tune(cfg: &Config, dir: &Path, m: &Manifest) -> Result<Tuned, TuneError> 
 /// As [`tune`].
 pub fn tune_for(cfg: &Config, dir: &Path, m: &Manifest, profile: HardwareProfile, allowed: &[usize]) -> Result<Tuned, TuneError> {
     let bundle_err = |source| TuneError::Bundle { dir: dir.to_owned(), source };
-    let fp = footprint(dir, m).map_err(bundle_err)?;
+    let form = cfg.synthesis.vocoder.form().unwrap_or_else(|| m.default_vocoder_form());
+    let fp = footprint(dir, m, form).map_err(bundle_err)?;
     let derived = derive::derive(&profile, &fp, allowed, cfg.synthesis.kv_capacity as u64)?;
-    let bundle_id = bundle_id(dir).map_err(bundle_err)?;
+    // a calibration measures one vocoder form: the other one has other costs per chunk
+    let bundle_id = format!("{}\nvocoder {form}", bundle_id(dir).map_err(bundle_err)?);
     let fingerprint = calibration::fingerprint(&profile, &bundle_id);
     let steady = cfg.synthesis.ramp.last().copied().unwrap_or(25);
     let (ramp, ramp_source) = if cfg.origin("synthesis.ramp") != "default" {

@@ -155,3 +155,19 @@ fn every_snake_is_fused_and_the_profile_names_the_op_types() {
         assert!(sum <= total * 1.5 && sum > 0.0, "node times {sum} ms against the run's {total} ms");
     }
 }
+
+#[test]
+fn a_stream_graph_without_state_is_refused() {
+    // [vocoder].stream_graph pointing at the windowed graph: codes -> wav, nothing carried
+    let src = common::bundle("tiny-0.6b");
+    let dir = tempfile::tempdir().unwrap();
+    for entry in std::fs::read_dir(&src).unwrap() {
+        let p = entry.unwrap().path();
+        std::fs::copy(&p, dir.path().join(p.file_name().unwrap())).unwrap();
+    }
+    let toml = std::fs::read_to_string(dir.path().join("bundle.toml")).unwrap();
+    let toml = toml.replace("stream_graph = \"vocoder_stream\"", "stream_graph = \"vocoder\"");
+    std::fs::write(dir.path().join("bundle.toml"), toml).unwrap();
+    let err = engine::Engine::load(dir.path(), &Tract, &engine::EngineSettings::default()).unwrap_err().to_string();
+    assert!(err.contains("carries no state"), "{err}");
+}

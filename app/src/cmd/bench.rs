@@ -106,7 +106,7 @@ pub struct BenchArgs {
     /// profile").
     #[arg(long, value_name = "STAGE", value_parser = ["vocoder"])]
     pub profile: Option<String>,
-    /// Frames of the profiled vocoder pass.
+    /// Frames of the profiled vocoder pass (1 to 1000).
     #[arg(long, default_value_t = 25, value_name = "N", value_parser = clap::value_parser!(u64).range(1..=1000))]
     pub profile_frames: u64,
     /// Profile a plan optimized for exactly `--profile-frames` frames (concrete shapes) rather
@@ -152,6 +152,9 @@ pub fn config(a: &BenchArgs) -> anyhow::Result<BenchConfig> {
     }
     if a.bandwidth_mib == 0 {
         anyhow::bail!("--bandwidth-mib must be at least 1");
+    }
+    if a.profile.is_none() && (a.profile_concrete || a.profile_frames != 25) {
+        anyhow::bail!("--profile-frames and --profile-concrete need --profile vocoder");
     }
     let sweep_to = if a.steps_only { 0 } else { a.sweep.unwrap_or(cpus) };
     Ok(BenchConfig {
@@ -208,8 +211,15 @@ pub fn bench(a: &BenchArgs) -> anyhow::Result<BenchResult> {
 pub fn profile(a: &BenchArgs) -> anyhow::Result<()> {
     let cfg = config(a)?;
     backend_tract::set_compute_threads(cfg.threads);
-    let manifest = engine::bundle::read_manifest(&a.bundle)?;
+    let in_bundle = || format!("bundle {}", a.bundle.display());
+    let manifest = engine::bundle::read_manifest(&a.bundle).map_err(engine::EngineError::from).with_context(in_bundle)?;
     let form = cfg.vocoder.unwrap_or_else(|| manifest.default_vocoder_form());
+    if manifest.vocoder_graph(form).is_none() {
+        return Err(anyhow::Error::new(engine::EngineError::Config(format!(
+            "--vocoder {form}, but {} has no stream graph ([vocoder].stream_graph)",
+            a.bundle.join("bundle.toml").display()
+        ))));
+    }
     let frames = usize::try_from(a.profile_frames).unwrap_or(25);
     let runs = a.vocoder_steps.max(1);
     // under a frame pool, as the engine's vocoder thread runs (without one, every large block
@@ -218,7 +228,7 @@ pub fn profile(a: &BenchArgs) -> anyhow::Result<()> {
     let guard = pool.install().context("installing the frame pool")?;
     let profiled = backend_tract::profile::profile_vocoder(&a.bundle, &manifest, form, frames, runs, a.profile_concrete);
     drop(guard);
-    let (ops, total) = profiled?;
+    let (ops, total) = profiled.map_err(engine::EngineError::from).with_context(in_bundle)?;
     let what = match form {
         model::backend::VocoderForm::Windowed => format!("one single pass of {frames} frames"),
         model::backend::VocoderForm::Stateful => format!("one stateful chunk of {frames} frames"),

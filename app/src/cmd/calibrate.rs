@@ -208,7 +208,12 @@ fn calibrate(cfg: &Config, args: &CalibrateArgs) -> Result<(), Failure> {
         m.rate_frames_per_s, m.ms_per_frame, m.rtf, m.jitter_ms, m.prefill_ms, m.ttfa_default_ms
     );
     let costs: Vec<String> = m.vocoder_ms.iter().map(|(n, ms)| format!("{n}: {ms:.1}")).collect();
-    println!("vocoder     ms per window of N frames (left context + chunk): {}", costs.join(", "));
+    let what = if engine.vocoder_left_context() == 0 {
+        "ms per chunk of N frames (stateful)"
+    } else {
+        "ms per window of N frames (windowed: left context + chunk)"
+    };
+    println!("vocoder     {what}: {}", costs.join(", "));
     println!("decode      {:.1} ms per frame (talker + code predictor + sampling)", m.decode_ms_per_frame);
     println!(
         "formula     ramp {:?} (lead {:.0} ms, safety margin {:.0} ms)",

@@ -180,6 +180,11 @@ impl TractStreamVocoder {
         if info.inputs.len() != graph.inputs.len() {
             return Err(VocoderError("stream graph inputs differ from bundle.toml".into()));
         }
+        if zeros.is_empty() {
+            return Err(VocoderError(
+                "the stream graph carries no state (no state.* inputs with next.* outputs): it is not a stateful vocoder graph (is [vocoder].stream_graph the windowed graph?)".into(),
+            ));
+        }
         let mut ps = plans
             .iter()
             .map(|(n, g)| {

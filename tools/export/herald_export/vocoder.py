@@ -908,7 +908,7 @@ def build_vocoder_graph(vw: VocoderWeights, stateful: bool = False) -> onnx.Mode
             # rather than from Shape: a runtime that folds shape arithmetic symbolically (tract)
             # would otherwise return an expression in the symbol instead of a number
             row = b.slice(codes, [0], [1], [1])  # [1, 1, T]
-            count = b.op("ReduceSum", [b.cast(b.op("GreaterOrEqual", [row, i64([0])]), np.int64), b.ints([1, 2])], keepdims=0)
+            count = b.op("ReduceSum", [b.cast(b.op("Greater", [row, i64([-1])]), np.int64), b.ints([1, 2])], keepdims=0)
             st.states.append(("position", b.add(p_in, count), np.int64, [1]))
         posf = b.unsqueeze(b.cast(pos, np.float32), [1])  # [T, 1]
         inv = rope_inv_freq(c.head_dim, c.rope_theta)
