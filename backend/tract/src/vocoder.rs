@@ -107,6 +107,9 @@ pub struct TractStreamVocoder {
     zeros: Vec<TValue>,
     /// The state the next chunk starts from.
     carried: Vec<TValue>,
+    /// The state at the start of the chunk in progress (restored when a run fails); its
+    /// capacity is kept, so saving it allocates nothing.
+    before: Vec<TValue>,
     /// For each `state.*` input (graph order), the index of its `next.*` output.
     next_index: Vec<usize>,
     max_chunk: usize,
@@ -200,7 +203,8 @@ impl TractStreamVocoder {
             .collect::<Result<Vec<_>, _>>()?;
         ps.sort_by_key(|p| std::cmp::Reverse(p.frames));
         let carried = zeros.clone();
-        Ok(TractStreamVocoder { plans: ps, zeros, carried, next_index, max_chunk, samples_per_frame })
+        let before = zeros.clone();
+        Ok(TractStreamVocoder { plans: ps, zeros, carried, before, next_index, max_chunk, samples_per_frame })
     }
 
     /// One run of the plan `p` over `frames` (exactly its frame count), writing its samples
@@ -262,7 +266,7 @@ impl VocoderSession for TractStreamVocoder {
             )));
         }
         // a failed run leaves the state as it was before the chunk
-        let before: Vec<TValue> = self.carried.clone();
+        self.before.clone_from(&self.carried);
         let mut done = 0;
         while done < n {
             let Some(p) = self.plans.iter_mut().find(|p| p.frames <= n - done) else {
@@ -278,7 +282,7 @@ impl VocoderSession for TractStreamVocoder {
                 &mut out[done * spf..(done + k) * spf],
             );
             if let Err(e) = r {
-                self.carried = before;
+                self.carried.clone_from(&self.before);
                 return Err(e);
             }
             done += k;
