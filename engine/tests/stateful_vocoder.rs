@@ -39,6 +39,23 @@ fn single_pass(b: &Bundle, frames: &[Frame]) -> Vec<f32> {
     out
 }
 
+/// A copy of the tiny-0.6b bundle without the file named `skip`, whose bundle.toml `edit`
+/// rewrites.
+fn edited_bundle(skip: Option<&str>, edit: impl Fn(String) -> String) -> tempfile::TempDir {
+    let src = common::bundle("tiny-0.6b");
+    let dir = tempfile::tempdir().unwrap();
+    for entry in std::fs::read_dir(&src).unwrap() {
+        let p = entry.unwrap().path();
+        let name = p.file_name().unwrap();
+        if Some(name) != skip.map(std::ffi::OsStr::new) {
+            std::fs::copy(&p, dir.path().join(name)).unwrap();
+        }
+    }
+    let toml = std::fs::read_to_string(dir.path().join("bundle.toml")).unwrap();
+    std::fs::write(dir.path().join("bundle.toml"), edit(toml)).unwrap();
+    dir
+}
+
 fn max_abs(a: &[f32], b: &[f32]) -> f32 {
     assert_eq!(a.len(), b.len());
     a.iter().zip(b).map(|(x, y)| (x - y).abs()).fold(0.0, f32::max)
@@ -118,20 +135,12 @@ fn a_stateful_session_refuses_context_and_resets_per_utterance() {
 
 #[test]
 fn windowed_only_bundles_still_load_and_stateful_is_refused_by_name() {
-    let src = common::bundle("tiny-0.6b");
-    let dir = tempfile::tempdir().unwrap();
-    for entry in std::fs::read_dir(&src).unwrap() {
-        let p = entry.unwrap().path();
-        if p.file_name().unwrap() != "vocoder_stream.onnx" {
-            std::fs::copy(&p, dir.path().join(p.file_name().unwrap())).unwrap();
-        }
-    }
     // the manifest of an older export: no stream graph
-    let toml = std::fs::read_to_string(dir.path().join("bundle.toml")).unwrap();
-    let start = toml.find("[graphs.vocoder_stream]").unwrap();
-    let end = toml[start + 1..].find("\n[graphs.").map_or(toml.len(), |e| start + 1 + e);
-    let toml = format!("{}{}", &toml[..start], &toml[end..]).replace("stream_graph = \"vocoder_stream\"\n", "");
-    std::fs::write(dir.path().join("bundle.toml"), toml).unwrap();
+    let dir = edited_bundle(Some("vocoder_stream.onnx"), |toml| {
+        let start = toml.find("[graphs.vocoder_stream]").unwrap();
+        let end = toml[start + 1..].find("\n[graphs.").map_or(toml.len(), |e| start + 1 + e);
+        format!("{}{}", &toml[..start], &toml[end..]).replace("stream_graph = \"vocoder_stream\"\n", "")
+    });
     let b = Bundle::open(dir.path(), &Tract).unwrap();
     assert_eq!(b.vocoder_form, VocoderForm::Windowed);
     let err = Bundle::open_with(dir.path(), &Tract, Some(VocoderForm::Stateful)).unwrap_err().to_string();
@@ -159,15 +168,7 @@ fn every_snake_is_fused_and_the_profile_names_the_op_types() {
 #[test]
 fn a_stream_graph_without_state_is_refused() {
     // [vocoder].stream_graph pointing at the windowed graph: codes -> wav, nothing carried
-    let src = common::bundle("tiny-0.6b");
-    let dir = tempfile::tempdir().unwrap();
-    for entry in std::fs::read_dir(&src).unwrap() {
-        let p = entry.unwrap().path();
-        std::fs::copy(&p, dir.path().join(p.file_name().unwrap())).unwrap();
-    }
-    let toml = std::fs::read_to_string(dir.path().join("bundle.toml")).unwrap();
-    let toml = toml.replace("stream_graph = \"vocoder_stream\"", "stream_graph = \"vocoder\"");
-    std::fs::write(dir.path().join("bundle.toml"), toml).unwrap();
+    let dir = edited_bundle(None, |toml| toml.replace("stream_graph = \"vocoder_stream\"", "stream_graph = \"vocoder\""));
     let err = engine::Engine::load(dir.path(), &Tract, &engine::EngineSettings::default()).unwrap_err().to_string();
     assert!(err.contains("carries no state"), "{err}");
 }

@@ -6,7 +6,7 @@ Usage::
     .venv/bin/python tools/bench/vocoder_profile.py --bundle build/bundles/qwen3-tts-0.6b-fp32 \
         [--frames 25] [--threads 1] [--markdown FILE]
 
-What it measures (docs/performance.md "Vocoder profile"):
+What it measures (docs/performance.md "Vocoder (issue 13)"):
 
 1. **Per-op profile** of one single pass of ``--frames`` frames through the bundle's windowed
    vocoder graph (``[vocoder].graph``; the stream graph has the same layers): onnxruntime's own

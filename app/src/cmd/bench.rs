@@ -102,8 +102,8 @@ pub struct BenchArgs {
     pub vocoder: Option<String>,
     /// Instead of the benchmark, profile one stage per op type: `vocoder` times every node of
     /// the vocoder graph over `--profile-frames` frames (windowed: one single pass; stateful:
-    /// one chunk from the zero state), folded onto ONNX op types (docs/performance.md "Vocoder
-    /// profile").
+    /// one chunk from the zero state), folded onto ONNX op types (docs/performance.md "Vocoder (issue
+    /// 13)").
     #[arg(long, value_name = "STAGE", value_parser = ["vocoder"])]
     pub profile: Option<String>,
     /// Frames of the profiled vocoder pass (1 to 1000).

@@ -111,7 +111,7 @@ pub(crate) fn load_plans(dir: &Path, name: &str, info: &GraphInfo, frames: &[Opt
     if !report.is_unchanged() {
         log::info!("{}: sanitized: {report}", path.display());
     }
-    // after the IO check's view of the proto is taken below; the fusion keeps the IO as it is
+    // the fusion rewrites inner nodes only: the graph IO checked below stays the file's
     let fused = crate::snake::fuse_snakes(&mut proto);
     if fused > 0 {
         log::debug!("{}: {fused} SnakeBeta activations fused into one op each", path.display());

@@ -36,11 +36,10 @@ impl Backend for Tract {
     }
 
     fn load(&self, dir: &Path, manifest: &Manifest, form: VocoderForm) -> Result<Box<dyn LoadedGraphs>, BackendError> {
-        let g = |name: &str| -> Result<graph::Graph, BackendError> {
-            let info =
-                manifest.graphs.get(name).ok_or_else(|| BackendError::Unsupported(format!("bundle.toml has no graph {name:?}")))?;
-            graph::load(dir, name, info)
+        let info_of = |name: &str| {
+            manifest.graphs.get(name).ok_or_else(|| BackendError::Unsupported(format!("bundle.toml has no graph {name:?}")))
         };
+        let g = |name: &str| graph::load(dir, name, info_of(name)?);
         let vocoder_key = manifest.vocoder_graph(form).ok_or_else(|| {
             BackendError::Unsupported(format!(
                 "the bundle has no {form} vocoder graph ([vocoder].stream_graph is missing: re-export it with a current herald-export, or use synthesis.vocoder = \"windowed\")"
@@ -48,10 +47,7 @@ impl Backend for Tract {
         })?;
         let talker = g(&manifest.talker.graph)?;
         let predictor = g(&manifest.code_predictor.graph)?;
-        let info = manifest
-            .graphs
-            .get(vocoder_key)
-            .ok_or_else(|| BackendError::Unsupported(format!("bundle.toml has no graph {vocoder_key:?}")))?;
+        let info = info_of(vocoder_key)?;
         let vocoder = match form {
             VocoderForm::Windowed => vec![(0, graph::load(dir, vocoder_key, info)?)],
             VocoderForm::Stateful => {

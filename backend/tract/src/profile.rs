@@ -1,5 +1,5 @@
 //! Per-node timing of a vocoder graph on tract, folded onto ONNX op types: where the vocoder's
-//! time goes (`herald bench --profile vocoder`, docs/performance.md "Vocoder profile").
+//! time goes (`herald bench --profile vocoder`, docs/performance.md "Vocoder (issue 13)").
 
 use std::collections::BTreeMap;
 use std::path::Path;
@@ -7,7 +7,7 @@ use std::time::Instant;
 
 use model::backend::{BackendError, VocoderForm};
 use model::frame::CODEBOOKS;
-use model::manifest::{Dim, Manifest};
+use model::manifest::Manifest;
 use tract_onnx::prelude::*;
 
 /// The time one op type took in one run, summed over its nodes.
@@ -64,10 +64,13 @@ pub fn profile_vocoder(
     )
     .map_err(rt)?;
     let mut inputs: TVec<TValue> = tvec![codes.into_tvalue()];
-    for spec in info.inputs.iter().skip(1) {
-        let shape: Vec<usize> = spec.shape.iter().map(|d| if let Dim::Fixed(n) = d { *n as usize } else { 0 }).collect();
-        let t = if spec.dtype == "int64" { Tensor::zero::<i64>(&shape) } else { Tensor::zero::<f32>(&shape) };
-        inputs.push(t.map_err(rt)?.into_tvalue());
+    if form == VocoderForm::Stateful {
+        let zeros = crate::vocoder::zero_states(info).map_err(|e| BackendError::Runtime {
+            path: path.clone(),
+            backend: "tract",
+            message: e.to_string(),
+        })?;
+        inputs.extend(zeros.into_iter().map(|(_, t)| t));
     }
     let model = graph.plan.model();
     let mut state = graph.plan.spawn().map_err(rt)?;

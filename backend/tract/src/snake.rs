@@ -6,7 +6,7 @@
 //! initializers. tract runs that as five passes over the activation, and its `Sin` is a scalar
 //! libm call per element: measured on one single pass of 8 frames at 0.6B dimensions on one
 //! thread, `Sin` alone took 25 % of the vocoder's time (348 ms of 1,416; onnxruntime 52 ms), the
-//! four arithmetic passes another 10 % (docs/performance.md "Vocoder profile"). [`fuse_snakes`]
+//! four arithmetic passes another 10 % (docs/performance.md "Vocoder (issue 13)"). [`fuse_snakes`]
 //! rewrites exactly that pattern into one `HeraldSnake(x, a, inv_b)` node before tract parses
 //! the graph (the bundle's file is not changed, and other runtimes never see the node); [`Snake`]
 //! computes it in one pass with a polynomial sine the compiler vectorizes (SSE/AVX on x86_64,
@@ -98,7 +98,7 @@ pub struct Snake;
 
 impl Op for Snake {
     fn name(&self) -> StaticName {
-        "HeraldSnake".into()
+        OP_TYPE.into()
     }
 
     op_as_typed_op!();
@@ -164,7 +164,7 @@ struct SnakeExpansion;
 
 impl Expansion for SnakeExpansion {
     fn name(&self) -> StaticName {
-        "HeraldSnake".into()
+        OP_TYPE.into()
     }
 
     fn wire(&self, prefix: &str, model: &mut TypedModel, inputs: &[OutletId]) -> TractResult<TVec<OutletId>> {
@@ -196,13 +196,16 @@ pub(crate) fn register(onnx: &mut tract_onnx::model::Onnx) {
 }
 
 /// Rewrite every SnakeBeta spelled as `Add(x, Mul(Mul(Sin(Mul(x, A)), same), B))` (either operand
-/// order of each Mul and the Add; `A`, `B` initializers of `C` float32 elements; every
+/// order of each Mul and the Add; `A`, `B` float32 initializers of shape `[1, C, 1]`, i.e. one
+/// value per channel of an `[N, C, L]` activation, as [`Snake`] computes it; every
 /// intermediate used only inside the pattern) into one `HeraldSnake(x, A, B)` node producing the
 /// Add's output. Returns the number of nodes fused. Anything else is left alone.
 pub(crate) fn fuse_snakes(proto: &mut pb::ModelProto) -> usize {
     let Some(graph) = proto.graph.as_mut() else { return 0 };
     let inits: std::collections::HashMap<&str, &pb::TensorProto> = graph.initializer.iter().map(|t| (t.name.as_str(), t)).collect();
-    let is_param = |name: &str| inits.get(name).is_some_and(|t| t.data_type == 1 && t.dims.iter().filter(|&&d| d != 1).count() <= 1);
+    // float32 [1, C, 1]: per channel; any other broadcast is not what Snake computes
+    let is_param =
+        |name: &str| inits.get(name).is_some_and(|t| t.data_type == 1 && t.dims.len() == 3 && t.dims[0] == 1 && t.dims[2] == 1);
     let mut producer = std::collections::HashMap::new();
     let mut uses: std::collections::HashMap<&str, usize> = std::collections::HashMap::new();
     for (i, n) in graph.node.iter().enumerate() {

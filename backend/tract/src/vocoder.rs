@@ -83,8 +83,43 @@ impl VocoderSession for TractVocoder {
 /// dimensions on one thread of the build machine (`herald bench --profile vocoder
 /// --profile-concrete`), 88 ms per frame for 2-frame runs against 140 ms per frame for one
 /// symbolic 25-frame run; 2-frame runs were as fast as 8- or 25-frame ones with a concrete
-/// plan, and 1-frame runs about 25 % slower (docs/performance.md "Vocoder").
+/// plan, and 1-frame runs about 25 % slower (docs/performance.md "Vocoder (issue 13)").
 pub const STREAM_PLAN_FRAMES: [usize; 2] = [2, 1];
+
+/// The all-zero carried state of a stream graph's IO `info`: `(name without "state.", tensor)`
+/// for every input after `codes`, in graph order (the start of an utterance).
+///
+/// # Errors
+/// [`VocoderError`] when an input after `codes` is not a `state.*` one, has a symbolic
+/// dimension, or is neither float32 nor int64.
+pub(crate) fn zero_states(info: &model::manifest::GraphInfo) -> Result<Vec<(String, TValue)>, VocoderError> {
+    use model::manifest::Dim;
+    info.inputs
+        .iter()
+        .skip(1)
+        .map(|spec| {
+            let name = spec
+                .name
+                .strip_prefix("state.")
+                .ok_or_else(|| VocoderError(format!("stream graph input {} is neither codes nor a state.* input", spec.name)))?;
+            let shape = spec
+                .shape
+                .iter()
+                .map(|d| match d {
+                    Dim::Fixed(n) => usize::try_from(*n).map_err(err),
+                    Dim::Symbol(s) => Err(VocoderError(format!("state.{name} has a symbolic dimension {s:?}"))),
+                })
+                .collect::<Result<Vec<_>, _>>()?;
+            let zero = match spec.dtype.as_str() {
+                "float32" => Tensor::zero::<f32>(&shape),
+                "int64" => Tensor::zero::<i64>(&shape),
+                other => return Err(VocoderError(format!("state.{name} is {other}; float32 or int64 expected"))),
+            }
+            .map_err(err)?;
+            Ok((name.to_owned(), zero.into_tvalue()))
+        })
+        .collect()
+}
 
 /// One concrete plan of the stream graph and its state.
 struct StreamPlan {
@@ -110,8 +145,8 @@ pub struct TractStreamVocoder {
     /// The state at the start of the chunk in progress (restored when a run fails); its
     /// capacity is kept, so saving it allocates nothing.
     before: Vec<TValue>,
-    /// For each `state.*` input (graph order), the index of its `next.*` output.
-    next_index: Vec<usize>,
+    /// For each graph output, the `carried` slot its `next.*` value goes to (`None`: `wav`).
+    slot_of_output: Vec<Option<usize>>,
     max_chunk: usize,
     samples_per_frame: usize,
 }
@@ -141,7 +176,6 @@ impl TractStreamVocoder {
         max_chunk: usize,
         samples_per_frame: usize,
     ) -> Result<Self, VocoderError> {
-        use model::manifest::Dim;
         let graph = plans
             .iter()
             .find(|(n, _)| *n == 1)
@@ -154,31 +188,13 @@ impl TractStreamVocoder {
             )));
         }
         let mut zeros = Vec::new();
-        let mut next_index = Vec::new();
-        for spec in info.inputs.iter().skip(1) {
-            let name = spec
-                .name
-                .strip_prefix("state.")
-                .ok_or_else(|| VocoderError(format!("stream graph input {} is neither codes nor a state.* input", spec.name)))?;
+        let mut slot_of_output = vec![None; graph.outputs.len()];
+        for (slot, (name, zero)) in zero_states(info)?.into_iter().enumerate() {
             let next = graph
                 .output(&format!("next.{name}"))
                 .ok_or_else(|| VocoderError(format!("stream graph has input state.{name} but no output next.{name}")))?;
-            let shape = spec
-                .shape
-                .iter()
-                .map(|d| match d {
-                    Dim::Fixed(n) => usize::try_from(*n).map_err(err),
-                    Dim::Symbol(s) => Err(VocoderError(format!("state.{name} has a symbolic dimension {s:?}"))),
-                })
-                .collect::<Result<Vec<_>, _>>()?;
-            let zero = match spec.dtype.as_str() {
-                "float32" => Tensor::zero::<f32>(&shape),
-                "int64" => Tensor::zero::<i64>(&shape),
-                other => return Err(VocoderError(format!("state.{name} is {other}; float32 or int64 expected"))),
-            }
-            .map_err(err)?;
-            zeros.push(zero.into_tvalue());
-            next_index.push(next);
+            slot_of_output[next] = Some(slot);
+            zeros.push(zero);
         }
         if info.inputs.len() != graph.inputs.len() {
             return Err(VocoderError("stream graph inputs differ from bundle.toml".into()));
@@ -204,7 +220,7 @@ impl TractStreamVocoder {
         ps.sort_by_key(|p| std::cmp::Reverse(p.frames));
         let carried = zeros.clone();
         let before = zeros.clone();
-        Ok(TractStreamVocoder { plans: ps, zeros, carried, before, next_index, max_chunk, samples_per_frame })
+        Ok(TractStreamVocoder { plans: ps, zeros, carried, before, slot_of_output, max_chunk, samples_per_frame })
     }
 
     /// One run of the plan `p` over `frames` (exactly its frame count), writing its samples
@@ -213,7 +229,7 @@ impl TractStreamVocoder {
         p: &mut StreamPlan,
         carried: &mut [TValue],
         zeros: &[TValue],
-        next_index: &[usize],
+        slot_of_output: &[Option<usize>],
         frames: &[Frame],
         out: &mut [f32],
     ) -> Result<(), VocoderError> {
@@ -228,14 +244,15 @@ impl TractStreamVocoder {
         let mut inputs: TVec<TValue> = TVec::with_capacity(1 + carried.len());
         inputs.push(p.codes.clone().into_tvalue());
         inputs.extend(carried.iter().cloned());
-        let mut outputs = p.state.run(inputs).map_err(err)?;
+        let outputs = p.state.run(inputs).map_err(err)?;
         let wav = view::<f32>(&outputs[0]).map_err(err)?;
         if wav.len() != out.len() {
             return Err(VocoderError(format!("returned {} samples for {n} frames, expected {}", wav.len(), out.len())));
         }
         out.copy_from_slice(wav);
-        for ((slot, zero), &i) in carried.iter_mut().zip(zeros).zip(next_index) {
-            let next = std::mem::replace(&mut outputs[i], Tensor::zero::<f32>(&[0]).map_err(err)?.into_tvalue());
+        for (next, slot) in outputs.into_iter().zip(slot_of_output) {
+            let Some(slot) = *slot else { continue };
+            let zero = &zeros[slot];
             if next.shape() != zero.shape() {
                 return Err(VocoderError(format!(
                     "stream graph returned a state of shape {:?}, expected {:?}",
@@ -243,8 +260,9 @@ impl TractStreamVocoder {
                     zero.shape()
                 )));
             }
-            // tract may compute shape arithmetic in its symbolic-dim type: back to the declared dtype
-            *slot = if next.datum_type() == zero.datum_type() {
+            // tract types integer arithmetic that feeds a shape (the position feeds the RoPE
+            // Range) as its symbolic-dimension type, TDim: back to the declared int64
+            carried[slot] = if next.datum_type() == zero.datum_type() {
                 next
             } else {
                 next.cast_to_dt(zero.datum_type()).map_err(err)?.into_owned().into_tvalue()
@@ -277,7 +295,7 @@ impl VocoderSession for TractStreamVocoder {
                 p,
                 &mut self.carried,
                 &self.zeros,
-                &self.next_index,
+                &self.slot_of_output,
                 &window[done..done + k],
                 &mut out[done * spf..(done + k) * spf],
             );

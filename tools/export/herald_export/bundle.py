@@ -142,22 +142,15 @@ def export(checkpoint: Path, out: Path, dtype: str = "fp32", quiet: bool = False
                 bar.update(1)
             graphs[which] = _graph_entry(path, model)
             del model
-        with tqdm(total=2, desc="vocoder.onnx", unit="step", **bar_opts) as bar:
-            model = vocoder.build_vocoder_graph(vw)
-            bar.update(1)
-            path = tmp / "vocoder.onnx"
-            _save(model, path)
-            bar.update(1)
-        graphs["vocoder"] = _graph_entry(path, model)
-        del model
-        with tqdm(total=2, desc="vocoder_stream.onnx", unit="step", **bar_opts) as bar:
-            model = vocoder.build_vocoder_graph(vw, stateful=True)
-            bar.update(1)
-            path = tmp / "vocoder_stream.onnx"
-            _save(model, path)
-            bar.update(1)
-        graphs["vocoder_stream"] = _graph_entry(path, model)
-        del model
+        for key, stateful in (("vocoder", False), ("vocoder_stream", True)):
+            with tqdm(total=2, desc=f"{key}.onnx", unit="step", **bar_opts) as bar:
+                model = vocoder.build_vocoder_graph(vw, stateful=stateful)
+                bar.update(1)
+                path = tmp / f"{key}.onnx"
+                _save(model, path)
+                bar.update(1)
+            graphs[key] = _graph_entry(path, model)
+            del model
 
         with tqdm(total=spec.text_vocab, desc="tables.safetensors", unit="row", **bar_opts) as bar:
             text = projected_text_table(spec, w, npdt, progress=bar.update)
