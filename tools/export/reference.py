@@ -398,6 +398,14 @@ def _lm_spec(name: str, sec: dict) -> LMSpec:
                   layer_kinds=kinds)
 
 
+def _session_cache_dtype(sess):
+    """The dtype of an onnxruntime session's ``k_cache_0`` input (float32 when it has none)."""
+    for i in sess.get_inputs():
+        if i.name == "k_cache_0":
+            return np.float16 if i.type == "tensor(float16)" else np.float32
+    return np.float32
+
+
 def _cache_dtype(manifest: dict, graph: str):
     for inp in manifest["graphs"][graph]["inputs"]:
         if inp["name"] == "k_cache_0":
@@ -448,9 +456,10 @@ class Reference:
             return ort.InferenceSession(str(path), opts, providers=["CPUExecutionProvider"])
 
         self._session = session
+        self._ort_options = opts
         self.talker = session(m["talker"]["graph"])
         self.predictor = session(m["code_predictor"]["graph"])
-        self.vocoder = session(m["vocoder"]["graph"])
+        self._vocoder = None
 
         tables = m["tables"]
         self._tables = safe_open(str(self.dir / tables["file"]), framework="numpy")
@@ -461,6 +470,32 @@ class Reference:
         self.tokenizer = Tokenizer.from_file(str(self.dir / m["tokenizer"]["file"]))
         self.assistant_id = int(self.text_ids.get("assistant", self.tokenizer.token_to_id("assistant")))
         self.newline_id = self.tokenizer.encode("\n", add_special_tokens=False).ids[0]
+
+    @property
+    def vocoder(self):
+        """The onnxruntime session of the ``[vocoder] graph`` (opened on first use)."""
+        if self._vocoder is None:
+            self._vocoder = self._session(self.manifest["vocoder"]["graph"])
+        return self._vocoder
+
+    def with_step_graphs(self, talker: str | Path, code_predictor: str | Path) -> "Reference":
+        """A copy of this decoder that runs other talker / code-predictor graph files.
+
+        Same manifest, tables, tokenizer and vocoder; the graphs must have this bundle's IO (their
+        cache dtype is read from the files). The quantization gate (``herald_export.gate``) decodes
+        with the float graphs of the same checkpoint this way.
+        """
+        import copy
+
+        import onnxruntime as ort
+
+        other = copy.copy(self)
+        other.talker, other.predictor = (
+            ort.InferenceSession(str(p), self._ort_options, providers=["CPUExecutionProvider"])
+            for p in (talker, code_predictor))
+        other.talker_cache_dtype, other.predictor_cache_dtype = (
+            _session_cache_dtype(s) for s in (other.talker, other.predictor))
+        return other
 
     # ------------------------------------------------------------------ embeddings
     def T(self, text_id: int) -> np.ndarray:
@@ -568,17 +603,31 @@ class Reference:
         return greedy_choice(processed)
 
     def predict_residual_codes(self, hidden: np.ndarray, c0: int, sampling: bool,
-                               rng: SplitMix64 | None) -> list[int]:
-        """c1..c15 for one frame: fresh cache, 2-position prefill, then 14 one-position steps."""
+                               rng: SplitMix64 | None, forced: list[int] | None = None,
+                               logits_out: list | None = None) -> list[int]:
+        """c1..c15 for one frame: fresh cache, 2-position prefill, then 14 one-position steps.
+
+        Teacher forcing (the quantization gate): with ``forced`` = [c1..c15] those codes are
+        fed instead of the chosen ones (and returned; nothing is drawn). ``logits_out`` receives
+        the raw float32 logits [2048] of each sub-step, codebook 1 first.
+        """
         s = self.predictor_sampling
         cache = StackCache(self.predictor_spec, dtype=self.predictor_cache_dtype)
+
+        def choose(logits: np.ndarray, k: int) -> int:
+            if logits_out is not None:
+                logits_out.append(np.array(logits, np.float32))
+            if forced is not None:
+                return int(forced[k - 1])
+            return self._choose(predictor_processors(logits, s, sampling), sampling, rng)
+
         x = np.stack([hidden, self.C(c0)]).astype(np.float32)             # [2, H]
         out = step(self.predictor, cache, x, {"head": np.array([0], np.int64)})
-        codes = [self._choose(predictor_processors(out["logits"][0, -1], s, sampling), sampling, rng)]
+        codes = [choose(out["logits"][0, -1], 1)]
         for k in range(2, self.num_codebooks):
             x = self.E(k - 1, codes[-1])[None]                             # [1, H]
             out = step(self.predictor, cache, x, {"head": np.array([k - 1], np.int64)})
-            codes.append(self._choose(predictor_processors(out["logits"][0, -1], s, sampling), sampling, rng))
+            codes.append(choose(out["logits"][0, -1], k))
         return codes
 
     def next_talker_input(self, frame: list[int], trailing: np.ndarray, f: int) -> np.ndarray:

@@ -1,12 +1,16 @@
 """Command line: ``python -m herald_export export ...`` (wrapped by ``tools/export/export``).
 
-    export --checkpoint DIR --out BUNDLE [--dtype fp32|fp16]
-    export --tiny PRESET --seed N --out BUNDLE [--dtype fp32|fp16] [--keep-checkpoint DIR]
-    export --preset qwen3-tts-0.6b|qwen3-tts-1.7b --random --seed N [--out BUNDLE] [--dtype fp32|fp16]
+    export --checkpoint DIR --out BUNDLE [--dtype fp32|fp16|q8|q4] [--allow-lossy]
+    export --tiny PRESET --seed N --out BUNDLE [--dtype ...] [--keep-checkpoint DIR]
+    export --preset qwen3-tts-0.6b|qwen3-tts-1.7b --random --seed N [--out BUNDLE] [--dtype ...]
       (real dimensions, random weights, for benchmarks; default --out build/bundles/PRESET-DTYPE)
 
-Exit codes: 0 done; 2 bad input (the message names the file and the problem; nothing is left
-at the output path); 1 an internal error.
+q8 / q4 quantize the step graphs' linear weights and run the fidelity gate (herald_export.gate)
+before the bundle is renamed into place.
+
+Exit codes: 0 done; 2 bad input or a quantized export that failed the fidelity gate (the
+message names the file or the failed metrics; nothing is left at the output path); 1 an
+internal error.
 """
 
 from __future__ import annotations
@@ -26,14 +30,19 @@ def main(argv: list[str] | None = None) -> int:
     ex = sub.add_parser("export", help="write a bundle from a checkpoint or a tiny random preset")
     src = ex.add_mutually_exclusive_group(required=True)
     src.add_argument("--checkpoint", type=Path, help="official Hugging Face checkpoint directory")
-    src.add_argument("--tiny", metavar="PRESET", help="tiny random checkpoint: tiny-0.6b, tiny-1.7b, tiny-hybrid")
+    src.add_argument("--tiny", metavar="PRESET",
+                     help="tiny random checkpoint: tiny-0.6b, tiny-1.7b, tiny-hybrid, tiny-q")
     src.add_argument("--preset", metavar="PRESET",
                      help="with --random: real dimensions, random weights: qwen3-tts-0.6b, qwen3-tts-1.7b")
     ex.add_argument("--random", action="store_true", help="with --preset: random weights (the only source for now)")
     ex.add_argument("--seed", type=int, default=0, help="random seed of --tiny / --preset (default 0)")
     ex.add_argument("--out", type=Path, help="bundle directory to write (replaced when complete; "
                     "default for --preset: build/bundles/PRESET-DTYPE)")
-    ex.add_argument("--dtype", choices=["fp32", "fp16"], default="fp32", help="weight and cache dtype (default fp32)")
+    ex.add_argument("--dtype", choices=["fp32", "fp16", "q8", "q4"], default="fp32",
+                    help="fp32/fp16: weight, cache and table dtype; q8/q4: the step graphs' linear weights "
+                    "quantized, the rest float32, checked by the fidelity gate (default fp32)")
+    ex.add_argument("--allow-lossy", action="store_true",
+                    help="with q8/q4: write the bundle even when it fails the fidelity gate ([quantization.gate] passed = false)")
     ex.add_argument("--keep-checkpoint", type=Path, metavar="DIR", help="with --tiny: keep the generated checkpoint here")
     ex.add_argument("--quiet", action="store_true", help="no progress bars")
     args = ap.parse_args(argv)
@@ -43,6 +52,8 @@ def main(argv: list[str] | None = None) -> int:
 
     tmpdir = None
     try:
+        if args.allow_lossy and args.dtype not in ("q8", "q4"):
+            raise ExportError("--allow-lossy", "only valid with --dtype q8 or q4")
         if args.preset is not None or args.random:
             from .presets import PRESETS as REAL, write_random_checkpoint
 
@@ -74,7 +85,7 @@ def main(argv: list[str] | None = None) -> int:
             if args.keep_checkpoint:
                 raise ExportError("--keep-checkpoint", "only valid with --tiny")
             ckpt = args.checkpoint
-        export(ckpt, args.out, args.dtype, quiet=args.quiet)
+        export(ckpt, args.out, args.dtype, quiet=args.quiet, allow_lossy=args.allow_lossy)
     except ExportError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -11,7 +11,8 @@ The bundle is a directory::
     tokenizer.json         Qwen2 byte-level BPE for the Rust ``tokenizers`` crate
 
 It is written into a temporary sibling directory and renamed into place only when complete, so
-an interrupted or failed export leaves nothing at the output path.
+an interrupted or failed export leaves nothing at the output path. A quantized bundle (``q8``,
+``q4``) passes the fidelity gate (:mod:`herald_export.gate`) in that directory before the rename.
 """
 
 from __future__ import annotations
@@ -32,12 +33,22 @@ from . import __version__
 from .checkpoint import LMSpec, LMWeights, ModelSpec, load_spec, sampling_defaults
 from .errors import ExportError
 from .lm import MASK_FILL, build_step_graph, cache_kinds
-from .onnx_graph import io_signature
+from .onnx_graph import initializer_bytes, io_signature
 from .st_io import SafetensorsFile
 
 FORMAT_VERSION = 1
 FAMILY = "qwen3-tts-12hz"
-DTYPES = {"fp32": np.float32, "fp16": np.float16}
+#: ``--dtype`` -> the compute, cache and table dtype. q8 / q4 quantize the step graphs' linear
+#: weights only (:mod:`herald_export.quant`); everything else in those bundles is float32.
+DTYPES = {"fp32": np.float32, "fp16": np.float16, "q8": np.float32, "q4": np.float32}
+QUANT_DTYPES = ("q8", "q4")
+#: ``[quantization] scheme`` and ``block_size`` per format.
+QUANT_SCHEMES = {
+    "q4": ("MatMulNBits (com.microsoft) bits=4 block_size=32 symmetric (no zero points), float16-exact float32 scales", 32),
+    "q8": ("int8 per output channel symmetric weights, DynamicQuantizeLinear uint8 per-tensor activations, MatMulInteger", 0),
+}
+#: What stays float in a quantized bundle (``[quantization] float_weights``).
+FLOAT_WEIGHTS = ["code_predictor lm_heads", "norms", "embeddings (host tables)", "vocoder"]
 #: Default chunk ramp and left context of windowed vocoding (DESIGN.md §5).
 DEFAULT_RAMP = [2, 4, 8, 16, 25]
 TABLE_ROWS_PER_CHUNK = 8192
@@ -100,22 +111,26 @@ def _save(model: onnx.ModelProto, path: Path) -> None:
         onnx.save_model(model, str(path))
 
 
-def _graph_entry(path: Path, model: onnx.ModelProto) -> dict:
+def _graph_entry(path: Path, model: onnx.ModelProto, weights: str, weight_bytes: int) -> dict:
     sig = io_signature(model)
-    return {"file": path.name, "sha256": _sha256(path), "inputs": sig["inputs"], "outputs": sig["outputs"]}
+    return {"file": path.name, "sha256": _sha256(path), "weights": weights, "weight_bytes": weight_bytes,
+            "inputs": sig["inputs"], "outputs": sig["outputs"]}
 
 
-def export(checkpoint: Path, out: Path, dtype: str = "fp32", quiet: bool = False) -> dict:
+def export(checkpoint: Path, out: Path, dtype: str = "fp32", quiet: bool = False, allow_lossy: bool = False) -> dict:
     """Export ``checkpoint`` to a bundle at ``out``; returns the manifest dict.
 
-    Raises ExportError for any problem with the input; ``out`` is untouched in that case.
-    ``out`` is replaced if it already exists and the export succeeds.
+    Raises ExportError for any problem with the input, and for a quantized bundle (``q8``,
+    ``q4``) that fails the fidelity gate unless ``allow_lossy``; ``out`` is untouched in that
+    case. ``out`` is replaced if it already exists and the export succeeds.
     """
     from . import tokenizer, vocoder
 
     if dtype not in DTYPES:
-        raise ExportError(dtype, f"unknown dtype {dtype!r} (fp32 or fp16)")
+        raise ExportError(dtype, f"unknown dtype {dtype!r} ({', '.join(DTYPES)})")
     npdt = DTYPES[dtype]
+    quant = dtype if dtype in QUANT_DTYPES else None
+    float_name = "fp32" if npdt == np.float32 else "fp16"
     checkpoint, out = Path(checkpoint), Path(out)
     t0 = time.monotonic()
     spec = load_spec(checkpoint)
@@ -135,21 +150,23 @@ def export(checkpoint: Path, out: Path, dtype: str = "fp32", quiet: bool = False
         for which in ("talker", "code_predictor"):
             lm = spec.talker if which == "talker" else spec.predictor
             with tqdm(total=2, desc=f"{which}.onnx", unit="step", **bar_opts) as bar:
-                model = build_step_graph(spec, w, which, npdt)
+                model = build_step_graph(spec, w, which, npdt, quant)
+                weight_bytes = initializer_bytes(model)   # before _save moves large ones out
                 bar.update(1)
                 path = tmp / f"{which}.onnx"
                 _save(model, path)
                 bar.update(1)
-            graphs[which] = _graph_entry(path, model)
+            graphs[which] = _graph_entry(path, model, dtype, weight_bytes)
             del model
         for key, stateful in (("vocoder", False), ("vocoder_stream", True)):
             with tqdm(total=2, desc=f"{key}.onnx", unit="step", **bar_opts) as bar:
                 model = vocoder.build_vocoder_graph(vw, stateful=stateful)
+                weight_bytes = initializer_bytes(model)
                 bar.update(1)
                 path = tmp / f"{key}.onnx"
                 _save(model, path)
                 bar.update(1)
-            graphs[key] = _graph_entry(path, model)
+            graphs[key] = _graph_entry(path, model, "fp32", weight_bytes)
             del model
 
         with tqdm(total=spec.text_vocab, desc="tables.safetensors", unit="row", **bar_opts) as bar:
@@ -160,7 +177,7 @@ def export(checkpoint: Path, out: Path, dtype: str = "fp32", quiet: bool = False
             from safetensors.numpy import save_file
 
             save_file({"text_embedding": text, "codec_embedding": codec, "cp_embedding": cp},
-                      str(tmp / "tables.safetensors"), metadata={"format": "herald", "dtype": dtype})
+                      str(tmp / "tables.safetensors"), metadata={"format": "herald", "dtype": float_name})
             os.chmod(tmp / "tables.safetensors", 0o644)
         tables = {
             "file": "tables.safetensors", "dtype": "float32" if npdt == np.float32 else "float16",
@@ -175,7 +192,8 @@ def export(checkpoint: Path, out: Path, dtype: str = "fp32", quiet: bool = False
         manifest = {
             "format_version": FORMAT_VERSION,
             "model": {
-                "family": FAMILY, "type": spec.model_type, "size": spec.model_size, "dtype": dtype,
+                "family": FAMILY, "type": spec.model_type, "size": spec.model_size, "dtype": float_name,
+                "weights": dtype,
                 "source": checkpoint.resolve().name, "exporter": f"herald-export {__version__}",
             },
             "audio": {
@@ -198,9 +216,22 @@ def export(checkpoint: Path, out: Path, dtype: str = "fp32", quiet: bool = False
             "attention": {"mask_fill": MASK_FILL, "rope": "rotate_half"},
             "graphs": graphs,
         }
-        with open(tmp / "bundle.toml", "wb") as f:
-            f.write(b"# herald model bundle, format v1 (docs/bundle.md). Generated by herald-export; do not edit.\n")
-            tomli_w.dump(manifest, f)
+        _write_manifest(tmp, manifest)
+        if quant:
+            gate = _run_gate(spec, w, tmp, quant, bar_opts)
+            scheme, block = QUANT_SCHEMES[quant]
+            manifest["quantization"] = {"format": quant, "scheme": scheme, "block_size": block,
+                                        "float_weights": FLOAT_WEIGHTS, "gate": gate.table()}
+            if not quiet:
+                print(gate.report(), file=sys.stderr)
+            if not gate.passed:
+                if not allow_lossy:
+                    raise ExportError("quantization gate", f"{quant} export failed the fidelity gate: "
+                                      f"{'; '.join(gate.failures)} (--allow-lossy writes it anyway, with passed = false)")
+                if not quiet:
+                    print(f"warning: --allow-lossy: writing a {quant} bundle that failed the fidelity gate "
+                          "([quantization.gate] passed = false)", file=sys.stderr)
+            _write_manifest(tmp, manifest)
         # everything is written: swap into place
         if out.exists():
             old = out.parent / f".{out.name}.old-{os.getpid()}"
@@ -216,3 +247,41 @@ def export(checkpoint: Path, out: Path, dtype: str = "fp32", quiet: bool = False
         size = sum(p.stat().st_size for p in out.iterdir())
         print(f"wrote {out} ({size / 1e6:.1f} MB, {dtype}) in {time.monotonic() - t0:.1f} s", file=sys.stderr)
     return manifest
+
+
+def _write_manifest(bundle_dir: Path, manifest: dict) -> None:
+    with open(bundle_dir / "bundle.toml", "wb") as f:
+        f.write(b"# herald model bundle, format v1 (docs/bundle.md). Generated by herald-export; do not edit.\n")
+        tomli_w.dump(manifest, f)
+
+
+#: Folder inside the temporary bundle directory that holds the float32 step graphs the gate
+#: compares against; removed before the rename (and with the directory on any failure).
+GATE_FLOAT_DIR = ".gate-fp32"
+#: Float step graphs up to this size run the gate on one onnxruntime thread: thousands of small
+#: calls, where a second (spinning) thread only adds overhead, and much more on a busy machine
+#: (measured 28 s on one thread against 78 s on two for a 28-layer hidden-256 model while a
+#: build ran). Larger graphs use onnxruntime's default (all cores).
+GATE_ONE_THREAD_BYTES = 256 * 2**20
+
+
+def _run_gate(spec: ModelSpec, w: LMWeights, tmp: Path, quant: str, bar_opts: dict):
+    """Build the float32 step graphs next to the quantized bundle and run the fidelity gate."""
+    from .gate import run_gate
+
+    ref_dir = tmp / GATE_FLOAT_DIR
+    ref_dir.mkdir()
+    paths, float_bytes = {}, 0
+    for which in ("talker", "code_predictor"):
+        with tqdm(total=1, desc=f"gate: {which} fp32", unit="graph", **bar_opts) as bar:
+            model = build_step_graph(spec, w, which, np.float32)
+            float_bytes += initializer_bytes(model)
+            paths[which] = ref_dir / f"{which}.onnx"
+            _save(model, paths[which])
+            del model
+            bar.update(1)
+    threads = 1 if float_bytes <= GATE_ONE_THREAD_BYTES else None
+    with tqdm(desc=f"gate: {quant} vs fp32", unit="frame", **bar_opts) as bar:
+        result = run_gate(tmp, paths["talker"], paths["code_predictor"], quant, threads=threads, progress=bar.update)
+    shutil.rmtree(ref_dir)
+    return result

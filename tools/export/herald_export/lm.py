@@ -93,7 +93,8 @@ def _mlp(b: GraphBuilder, lm: LMSpec, w: LMWeights, i: int, h):
     return b.linear(b.mul(b.silu(g), u), w.layer(lm, i, "mlp.down_proj.weight"))
 
 
-def build_step_graph(spec: ModelSpec, w: LMWeights, which: str, dtype=np.float32) -> onnx.ModelProto:
+def build_step_graph(spec: ModelSpec, w: LMWeights, which: str, dtype=np.float32,
+                     quant: str | None = None) -> onnx.ModelProto:
     """The talker (``which="talker"``) or code-predictor (``"code_predictor"``) step graph.
 
     Inputs (float32 unless noted; ``seq`` = new positions S, ``past`` = filled full-cache length P):
@@ -105,10 +106,13 @@ def build_step_graph(spec: ModelSpec, w: LMWeights, which: str, dtype=np.float32
     Outputs: logits float32 [1, seq, vocab]; hidden float32 [1, seq, H] (talker only: post-norm);
       k_new_i, v_new_i [1, seq, KV, head_dim] in the cache dtype (post-norm, post-RoPE keys).
     ``dtype`` is the weight/compute/cache dtype (float32 or float16); RMSNorm and softmax run in
-    float32 inside float16 graphs.
+    float32 inside float16 graphs. ``quant`` (``"q4"``/``"q8"``, with ``dtype`` float32) quantizes
+    every linear projection (q/k/v/o, gate/up/down, the talker's ``codec_head``, the
+    ``small_to_mtp_projection``); the code predictor's stacked ``lm_heads`` (a Gather by ``head``,
+    not a constant matmul), the norms and the IO stay float32 (:mod:`herald_export.quant`).
     """
     lm = spec.talker if which == "talker" else spec.predictor
-    b = GraphBuilder(which, dtype)
+    b = GraphBuilder(which, dtype, quant=quant)
     cdt = b.wdtype
     has_full, window = cache_kinds(lm)
     H_in = spec.talker.hidden

@@ -12,7 +12,11 @@ Conventions
 - Weights come in as numpy arrays in the checkpoint's layout; :meth:`GraphBuilder.weight`
   stores them in the graph's weight dtype (float32 or float16).
 - ``linear`` takes a torch ``nn.Linear`` weight ``[out, in]`` and stores it transposed
-  ``[in, out]`` so the graph is one ``MatMul`` (plus ``Add`` for a bias).
+  ``[in, out]`` so the graph is one ``MatMul`` (plus ``Add`` for a bias). A builder made with
+  ``quant="q4"`` or ``"q8"`` writes every ``linear`` as a weight-only quantized matmul instead
+  (:mod:`herald_export.quant`): ``com.microsoft`` ``MatMulNBits`` for q4, and
+  ``DynamicQuantizeLinear`` -> ``MatMulInteger`` -> ``Cast`` -> ``Mul`` for q8 (one
+  ``DynamicQuantizeLinear`` per distinct input, shared by the projections that read it).
 """
 
 from __future__ import annotations
@@ -26,6 +30,12 @@ from onnx import TensorProto, helper, numpy_helper
 
 #: ONNX opset of every herald graph.
 OPSET = 17
+#: Domain and opset version of onnxruntime's contrib ops (``MatMulNBits``), imported only by
+#: graphs that use them.
+MS_DOMAIN = "com.microsoft"
+MS_OPSET = 1
+#: Weight formats of :meth:`GraphBuilder.linear` besides the float weight dtype.
+QUANT_FORMATS = ("q4", "q8")
 
 #: numpy dtype -> ONNX element type for the dtypes herald graphs use.
 NP_TO_ONNX = {
@@ -34,6 +44,8 @@ NP_TO_ONNX = {
     np.dtype(np.int64): TensorProto.INT64,
     np.dtype(np.int32): TensorProto.INT32,
     np.dtype(np.bool_): TensorProto.BOOL,
+    np.dtype(np.uint8): TensorProto.UINT8,
+    np.dtype(np.int8): TensorProto.INT8,
 }
 
 #: ONNX element type -> the name used in bundle.toml.
@@ -43,6 +55,8 @@ ONNX_TO_NAME = {
     TensorProto.INT64: "int64",
     TensorProto.INT32: "int32",
     TensorProto.BOOL: "bool",
+    TensorProto.UINT8: "uint8",
+    TensorProto.INT8: "int8",
 }
 
 NAME_TO_NP = {"float32": np.float32, "float16": np.float16, "int64": np.int64, "int32": np.int32, "bool": np.bool_}
@@ -60,11 +74,18 @@ class GraphBuilder:
 
     ``weight_dtype`` is the storage and compute dtype of the weights (``np.float32`` or
     ``np.float16``); activations follow it except where a builder method says otherwise.
+    ``quant`` (``"q4"``, ``"q8"`` or None) quantizes the weights of :meth:`linear` only; it needs
+    ``weight_dtype`` float32 (the compute dtype of quantized graphs).
     """
 
-    def __init__(self, name: str, weight_dtype=np.float32):
+    def __init__(self, name: str, weight_dtype=np.float32, quant: str | None = None):
+        if quant is not None and (quant not in QUANT_FORMATS or np.dtype(weight_dtype) != np.float32):
+            raise ValueError(f"quant={quant!r} needs weight_dtype float32 and one of {QUANT_FORMATS}")
         self.name = name
         self.wdtype = np.dtype(weight_dtype)
+        self.quant = quant
+        self._dql_cache: dict[str, tuple[str, str, str]] = {}
+        self._domains: set[str] = set()
         self.nodes: list[onnx.NodeProto] = []
         self.inits: list[onnx.TensorProto] = []
         self.inputs: list[onnx.ValueInfoProto] = []
@@ -139,12 +160,15 @@ class GraphBuilder:
         return self.const(np.asarray([value], dtype=dtype or self.wdtype))
 
     # ------------------------------------------------------------------ ops
-    def op(self, op_type: str, inputs: Sequence[str], n_out: int = 1, hint: str | None = None, **attrs):
+    def op(self, op_type: str, inputs: Sequence[str], n_out: int = 1, hint: str | None = None,
+           domain: str = "", **attrs):
         """Append one node; returns its output name (or a tuple of names for n_out > 1)."""
         outs = [self.fresh(hint or op_type.lower()) for _ in range(n_out)]
         self.nodes.append(
-            helper.make_node(op_type, list(inputs), outs, name=self.fresh(f"n_{op_type}"), **attrs)
+            helper.make_node(op_type, list(inputs), outs, name=self.fresh(f"n_{op_type}"), domain=domain, **attrs)
         )
+        if domain:
+            self._domains.add(domain)
         return outs[0] if n_out == 1 else tuple(outs)
 
     def add(self, a, b):
@@ -197,11 +221,43 @@ class GraphBuilder:
         return self.mul(self.mul(x, self.scalar(0.5)), self.add(e, self.scalar(1.0)))
 
     def linear(self, x, w: np.ndarray, b: np.ndarray | None = None, wname: str | None = None):
-        """``x @ w.T + b`` for a torch Linear weight ``w`` [out, in] (stored as [in, out])."""
-        y = self.matmul(x, self.weight(np.ascontiguousarray(np.asarray(w).T), name=wname))
+        """``x @ w.T + b`` for a torch Linear weight ``w`` [out, in] (stored as [in, out]).
+
+        With ``quant`` set, ``w`` is quantized (:mod:`herald_export.quant`) and the bias, if
+        any, stays float32 in a separate ``Add``.
+        """
+        if self.quant == "q4":
+            y = self._linear_q4(x, w, wname)
+        elif self.quant == "q8":
+            y = self._linear_q8(x, w, wname)
+        else:
+            y = self.matmul(x, self.weight(np.ascontiguousarray(np.asarray(w).T), name=wname))
         if b is not None:
             y = self.add(y, self.weight(b))
         return y
+
+    def _linear_q4(self, x, w: np.ndarray, wname: str | None):
+        """``MatMulNBits`` (com.microsoft, bits 4, block 32, symmetric: no zero points)."""
+        from .quant import Q4_BLOCK, quantize_q4
+
+        w = np.asarray(w, dtype=np.float32)
+        N, K = w.shape
+        packed, scales = quantize_q4(w, wname or "linear weight")
+        qb = self.const(packed, name=f"{wname}.q4" if wname else None)
+        qs = self.const(scales, name=f"{wname}.scales" if wname else None)
+        return self.op("MatMulNBits", [x, qb, qs], domain=MS_DOMAIN, K=K, N=N, bits=4, block_size=Q4_BLOCK)
+
+    def _linear_q8(self, x, w: np.ndarray, wname: str | None):
+        """int8 weights per output channel; ``x`` quantized per tensor at run time (uint8)."""
+        from .quant import quantize_q8
+
+        wq, scale = quantize_q8(w, wname or "linear weight")
+        if x not in self._dql_cache:
+            self._dql_cache[x] = self.op("DynamicQuantizeLinear", [x], n_out=3, hint="xq")
+        xq, xs, xzp = self._dql_cache[x]
+        yi = self.op("MatMulInteger", [xq, self.const(wq, name=f"{wname}.q8" if wname else None), xzp])
+        ys = self.mul(xs, self.const(scale, name=f"{wname}.scale" if wname else None))   # [N]
+        return self.mul(self.cast(yi, np.float32), ys)
 
     def rms_norm(self, x, w: np.ndarray, eps: float):
         """RMSNorm as Qwen3 computes it: in float32, then cast back, then scaled by ``w``.
@@ -235,17 +291,23 @@ class GraphBuilder:
         graph = helper.make_graph(self.nodes, self.name, self.inputs, self.outputs, self.inits, doc_string=doc)
         m = helper.make_model(
             graph,
-            opset_imports=[helper.make_opsetid("", OPSET)],
+            opset_imports=[helper.make_opsetid("", OPSET)]
+            + [helper.make_opsetid(d, MS_OPSET) for d in sorted(self._domains)],
             producer_name="herald-export",
             ir_version=8,
         )
-        if sum(len(t.raw_data) for t in m.graph.initializer) <= IN_MEMORY_CHECK_BYTES:
+        if initializer_bytes(m) <= IN_MEMORY_CHECK_BYTES:
             onnx.checker.check_model(m, full_check=True)
         return m
 
 
 #: Largest initializer total checked in memory (2 GiB protobuf limit, minus room for the graph).
 IN_MEMORY_CHECK_BYTES = 2**31 - 2**26
+
+
+def initializer_bytes(model: onnx.ModelProto) -> int:
+    """Bytes of all initializers of ``model`` (held in memory): what its weights occupy on disk."""
+    return sum(len(t.raw_data) for t in model.graph.initializer)
 
 
 def io_signature(model: onnx.ModelProto) -> dict:

@@ -10,6 +10,9 @@ Presets
 ``tiny-0.6b``   code-predictor hidden == talker hidden: no small_to_mtp_projection (as 0.6B).
 ``tiny-1.7b``   talker hidden != code-predictor hidden: projection present (as 1.7B).
 ``tiny-hybrid`` talker with sliding-window layers (window 8) between full ones: ring caches.
+``tiny-q``      as tiny-0.6b but hidden 64 / head_dim 16 / intermediate 128, so every linear
+                projection's input width K is a multiple of 32: q4 bundles keep tract's int4
+                (Q4_0) weights instead of its float fallback (docs/bundle.md "Quantized bundles").
 """
 
 from __future__ import annotations
@@ -44,6 +47,8 @@ PRESETS = {
                                                 window=8, types=["full_attention", "sliding_attention",
                                                                  "sliding_attention", "full_attention"]),
                         predictor=dict(hidden=16, layers=2, heads=4, kv=2, head_dim=8, inter=48)),
+    "tiny-q": dict(size="0b6", talker=dict(hidden=64, layers=2, heads=4, kv=2, head_dim=16, inter=128),
+                   predictor=dict(hidden=64, layers=2, heads=4, kv=2, head_dim=16, inter=128)),
 }
 
 TEXT_HIDDEN = 16
