@@ -64,6 +64,8 @@ pub const THREADS: RangeInclusive<usize> = 0..=256;
 pub const FRAME_POOL_MIB: RangeInclusive<usize> = 0..=65536;
 /// Default `runtime.frame_pool_mib` (engine::DEFAULT_POOL_BYTES).
 pub const DEFAULT_FRAME_POOL_MIB: usize = engine::DEFAULT_POOL_BYTES >> 20;
+/// Default `runtime.graph_cache_dir`.
+pub const DEFAULT_GRAPH_CACHE_DIR: &str = "/var/cache/herald/graphs";
 /// Default `runtime.calibration_dir`.
 pub const DEFAULT_CALIBRATION_DIR: &str = "/var/lib/herald/calibration";
 /// `amplifier.line`: line offset within the chip.
@@ -288,6 +290,14 @@ settings! {
         /// foreign file is ignored with one warning. A relative path in a file is relative to
         /// that file's directory.
         calibration_dir: PathBuf = PathBuf::from(DEFAULT_CALIBRATION_DIR), FsPath("a directory");
+        /// Where the tract backend keeps each graph it has parsed, decluttered and stored as
+        /// NNEF (one entry per graph and bundle), so that the next start skips reading the
+        /// ONNX files: a 0.6B bundle then opens in about the time tract needs to optimize it
+        /// ([performance.md](performance.md#fast-start)). Entries are keyed by the graph file,
+        /// the manifest checksum and the herald build, so a stale entry is never used; a corrupt
+        /// one is rebuilt with one warning; an unwritable directory costs the speed-up, never
+        /// the start. Created on first use.
+        graph_cache_dir: PathBuf = PathBuf::from(DEFAULT_GRAPH_CACHE_DIR), FsPath("a directory");
         /// MiB of freed memory the decode stage and the vocoder stage may each keep for reuse
         /// (their frame pools, [engine.md](engine.md#allocations)): tract asks for thousands of
         /// blocks per frame, and a pool that holds a stage's working set serves them all without
@@ -1633,6 +1643,7 @@ mod tests {
             ("synthesis.kv_capacity", "2048"),
             ("runtime.threads", "2"),
             ("runtime.calibration_dir", "/tmp/cal"),
+            ("runtime.graph_cache_dir", "/tmp/graphs"),
             ("runtime.frame_pool_mib", "64"),
             ("amplifier.chip", "pinctrl-rp1"),
             ("amplifier.line", "17"),

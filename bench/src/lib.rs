@@ -110,9 +110,23 @@ pub fn measure_bandwidth(bytes: usize, threads: usize, runs: usize) -> Bandwidth
     Bandwidth { buffer_bytes: n * 8, threads, gb_per_s: med, best_gb_per_s: rates.last().copied().unwrap_or(0.0), runs }
 }
 
-/// Weight bytes of `params` parameters in the bundle's dtype.
+/// Weight bytes of `params` parameters stored in the bundle's weight format
+/// ([`model::dtype::WeightFormat::bytes_per_weight`]: 4, 2, 1 or 18/32 for q4). Norm weights,
+/// which stay float, are counted at the quantized rate too: under 0.1 % of a stack.
 fn weight_bytes(m: &Manifest, params: u64) -> usize {
-    (params * m.dtype().bytes()) as usize
+    (params as f64 * m.weights().bytes_per_weight()).round() as usize
+}
+
+/// Weight bytes one code-predictor sub-step reads: the stack and projection in the weight
+/// format, the selected `lm_head` in the model dtype (quantized bundles keep the stacked heads
+/// in float: `[quantization].float_weights`).
+fn predictor_weight_bytes(m: &Manifest) -> usize {
+    let head = u64::from(m.audio.codebook_size) * u64::from(m.code_predictor.hidden);
+    if m.weights().is_quantized() {
+        weight_bytes(m, predictor_step_params(m) - head) + (head * m.dtype().bytes()) as usize
+    } else {
+        weight_bytes(m, predictor_step_params(m))
+    }
 }
 
 /// K/V bytes a step of `s` reads over `slots` full-cache slots ([`kv_read_bytes`]).
@@ -242,7 +256,7 @@ pub fn predictor_step(b: &Bundle, warmup: usize, steps: usize) -> Result<(StepRe
         past: 8,
         slots,
         timing: Timing::from_seconds(&t),
-        weight_bytes: weight_bytes(m, predictor_step_params(m)),
+        weight_bytes: predictor_weight_bytes(m),
         kv_bytes: kv_bytes(m, &m.code_predictor, slots),
         floor_ms: 0.0,
         floor_fraction: 0.0,

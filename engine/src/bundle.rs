@@ -42,6 +42,37 @@ pub fn read_prompter(dir: &Path, manifest: &Manifest) -> Result<Prompter, Prompt
     Prompter::with_tokenizer(tokenizer, manifest)
 }
 
+/// The last prompter [`shared_prompter`] built, with the identity of the files it came from.
+type PrompterMemo = Option<(Vec<(PathBuf, u64, Option<std::time::SystemTime>)>, Arc<Prompter>)>;
+static PROMPTER_MEMO: std::sync::Mutex<PrompterMemo> = std::sync::Mutex::new(None);
+
+/// [`read_prompter`], remembered: the last prompter built is returned again while the
+/// tokenizer file and `bundle.toml` are unchanged (path, size, modification time). Building
+/// the tokenizer (151k tokens and merges) takes about 0.5 s on a small board, and a command
+/// checks its text against the tokenizer before it opens the bundle: with this, it is built
+/// once per start.
+///
+/// # Errors
+/// As [`read_prompter`].
+pub fn shared_prompter(dir: &Path, manifest: &Manifest) -> Result<Arc<Prompter>, PromptError> {
+    let id: Vec<_> = [dir.join(&manifest.tokenizer.file), dir.join("bundle.toml")]
+        .into_iter()
+        .map(|p| {
+            let md = std::fs::metadata(&p).ok();
+            let p = std::fs::canonicalize(&p).unwrap_or(p);
+            (p, md.as_ref().map_or(0, |m| m.len()), md.and_then(|m| m.modified().ok()))
+        })
+        .collect();
+    if let Some((key, p)) = PROMPTER_MEMO.lock().unwrap_or_else(|e| e.into_inner()).as_ref() {
+        if *key == id {
+            return Ok(p.clone());
+        }
+    }
+    let p = Arc::new(read_prompter(dir, manifest)?);
+    *PROMPTER_MEMO.lock().unwrap_or_else(|e| e.into_inner()) = Some((id, p.clone()));
+    Ok(p)
+}
+
 /// A loaded bundle: manifest, tables, tokenizer and optimized graphs. Load once, share.
 #[derive(Debug)]
 pub struct Bundle {
@@ -88,21 +119,35 @@ impl Bundle {
             )));
         }
         let tables = Arc::new(Tables::open(dir, &manifest)?);
-        let prompter = Arc::new(read_prompter(dir, &manifest).map_err(|e| EngineError::Bundle(e.to_string()))?);
         for (key, stack) in [("talker", &manifest.talker), ("code_predictor", &manifest.code_predictor)] {
             check_caches(dir, &manifest, key, stack)?;
         }
-        let graphs = backend.load(dir, &manifest, vocoder_form)?;
+        // The tokenizer (a 151k-entry vocabulary and its merges, ~0.5 s to build) loads on its
+        // own thread while the backend loads the graphs; its error, if any, is reported first.
+        let (prompter, graphs) = std::thread::scope(|s| {
+            let prompter = std::thread::Builder::new()
+                .name("load-tokenizer".into())
+                .spawn_scoped(s, || shared_prompter(dir, &manifest).map_err(|e| EngineError::Bundle(e.to_string())));
+            let graphs = backend.load(dir, &manifest, vocoder_form);
+            let prompter = match prompter {
+                Ok(h) => h.join().unwrap_or_else(|_| Err(EngineError::Bundle("the tokenizer loader panicked".into()))),
+                Err(_) => shared_prompter(dir, &manifest).map_err(|e| EngineError::Bundle(e.to_string())),
+            };
+            (prompter, graphs)
+        });
+        let prompter = prompter?;
+        let graphs = graphs?;
         let load_seconds = t0.elapsed().as_secs_f64();
         let times = graphs.load_times();
         log::info!(
-            "bundle {}: {} {} {} loaded by {} in {:.2} s (talker {:.2} s, predictor {:.2} s, {} vocoder {:.2} s)",
+            "bundle {}: {} {} {} weights loaded by {} in {:.2} s{} (talker {:.2} s, predictor {:.2} s, {} vocoder {:.2} s; graphs load in parallel)",
             dir.display(),
             manifest.model.family,
             manifest.model.size,
-            manifest.model.dtype,
+            manifest.weights(),
             graphs.backend(),
             load_seconds,
+            if times.from_cache { " from its graph cache" } else { "" },
             times.talker,
             times.code_predictor,
             vocoder_form,

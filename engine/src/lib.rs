@@ -18,7 +18,7 @@ pub mod settings;
 pub mod tables;
 pub mod vocoder;
 
-pub use bundle::{Bundle, read_manifest, read_prompter};
+pub use bundle::{Bundle, read_manifest, read_prompter, shared_prompter};
 pub use error::EngineError;
 pub use pipeline::{Engine, PcmChunk, Report, StageMemory};
 pub use settings::{DEFAULT_POOL_BYTES, EngineSettings, Request, StopReason};

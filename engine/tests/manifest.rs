@@ -87,3 +87,41 @@ fn rejects_table_shapes_that_contradict_the_model() {
     let err = parse(&bad).unwrap_err();
     assert!(err.to_string().contains("tables.text_embedding.shape"), "{err}");
 }
+
+#[test]
+fn reads_the_quantized_bundles() {
+    use model::dtype::{Dtype, WeightFormat};
+    for (name, want) in [("tiny-q-q4", WeightFormat::Q4), ("tiny-q-q8", WeightFormat::Q8)] {
+        let m = engine::read_manifest(&common::bundle(name)).unwrap_or_else(|e| panic!("{name}: {e}"));
+        assert_eq!(m.weights(), want, "{name}");
+        // activations, caches and tables stay float32
+        assert_eq!(m.dtype(), Dtype::Fp32, "{name}");
+        assert_eq!(m.graph_weights("talker"), want, "{name}");
+        assert_eq!(m.graph_weights("code_predictor"), want, "{name}");
+        assert_eq!(m.graph_weights("vocoder_stream"), WeightFormat::Fp32, "{name}");
+        let q = m.quantization.as_ref().expect("a [quantization] table");
+        assert_eq!(q.format, want.as_str());
+        assert!(q.gate.passed && q.gate.positions >= 500, "{name}: {:?}", q.gate);
+        // the exporter counts the bytes of every initializer: a quantized talker is far
+        // smaller than its float32 twin
+        let fp32 = engine::read_manifest(&common::bundle("tiny-q")).unwrap();
+        let (qb, fb) = (m.graphs["talker"].weight_bytes.unwrap(), fp32.graphs["talker"].weight_bytes.unwrap());
+        assert!(qb * 2 < fb, "{name}: talker weights {qb} bytes, float32 {fb}");
+    }
+    let fp32 = engine::read_manifest(&common::bundle("tiny-q")).unwrap();
+    assert_eq!(fp32.weights(), WeightFormat::Fp32);
+    assert!(fp32.quantization.is_none());
+}
+
+#[test]
+fn quantized_weights_need_their_quantization_table() {
+    let text = std::fs::read_to_string(common::bundle("tiny-q-q4").join("bundle.toml")).unwrap();
+    let cut = text.find("[quantization]").unwrap();
+    let end = text[cut..].find("\n[graphs").map_or(text.len(), |e| cut + e + 1);
+    let without = format!("{}{}", &text[..cut], &text[end..]);
+    let e = parse(&without).unwrap_err().to_string();
+    assert!(e.contains("model.weights") && e.contains("[quantization]"), "{e}");
+    let bad = text.replace("weights = \"q4\"", "weights = \"q3\"");
+    let e = parse(&bad).unwrap_err().to_string();
+    assert!(e.contains("q3") && e.contains("\"q4\""), "{e}");
+}

@@ -120,6 +120,28 @@ fn cases() -> Vec<Case> {
             ..base
         });
     }
+    // quantized weights (MatMulNBits q4, MatMulInteger q8): tract's quantized kernels against
+    // onnxruntime's on the same graphs, greedy and sampled
+    for preset in common::QUANTIZED {
+        for (name, text, language, speaker, mode) in &texts[..3] {
+            v.push(Case {
+                id: format!("{preset}-{name}"),
+                preset,
+                text: text.clone(),
+                language: *language,
+                speaker: *speaker,
+                mode: *mode,
+                seed: None,
+                max_frames: 20,
+                force_eos_at: None,
+                ramp: None,
+                left_context: None,
+                vocoder: VocoderForm::Stateful,
+            });
+        }
+        let base = v.last().unwrap().clone();
+        v.push(Case { id: format!("{preset}-seeded"), text: "Seeded sampling, same draws.".into(), seed: Some(1234), ..base });
+    }
     v
 }
 

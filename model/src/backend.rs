@@ -269,6 +269,9 @@ pub struct LoadTimes {
     pub code_predictor: f64,
     /// The vocoder graph.
     pub vocoder: f64,
+    /// Whether every graph skipped parsing because the backend had it cached (tract: the
+    /// decluttered models under `runtime.graph_cache_dir`).
+    pub from_cache: bool,
 }
 
 /// A bundle's graphs, loaded by one backend: shared by every session and thread.

@@ -12,7 +12,7 @@ use std::path::{Component, Path, PathBuf};
 
 use serde::Deserialize;
 
-use crate::dtype::Dtype;
+use crate::dtype::{Dtype, WeightFormat};
 
 /// The only manifest format this build reads.
 pub const FORMAT_VERSION: u32 = 1;
@@ -60,8 +60,13 @@ pub struct ModelInfo {
     pub kind: String,
     /// `tts_model_size`, e.g. `0b6`.
     pub size: String,
-    /// `fp32` or `fp16`: weights, caches and tables.
+    /// `fp32` or `fp16`: activations, caches and tables (and the weights unless `weights`
+    /// says otherwise).
     pub dtype: String,
+    /// `fp32`, `fp16`, `q8` or `q4`: how the talker's and code predictor's projections are
+    /// stored (absent in bundles written before quantization existed: then `dtype`).
+    #[serde(default)]
+    pub weights: Option<String>,
     /// Name of the checkpoint directory it was exported from.
     pub source: String,
     /// Exporter name and version.
@@ -329,6 +334,56 @@ pub struct GraphInfo {
     pub inputs: Vec<TensorSpec>,
     /// Outputs in graph order.
     pub outputs: Vec<TensorSpec>,
+    /// How this graph stores its weights (`fp32`, `fp16`, `q8`, `q4`); absent in older
+    /// bundles, where it is the model dtype.
+    #[serde(default)]
+    pub weights: Option<String>,
+    /// Bytes of all initializers in the file (what its weights occupy on disk, and about
+    /// what they occupy in memory once loaded); absent in older bundles.
+    #[serde(default)]
+    pub weight_bytes: Option<u64>,
+}
+
+/// `[quantization]`: how a q8/q4 bundle was quantized and what its fidelity gate measured
+/// at export (docs/bundle.md "Quantized weights").
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Quantization {
+    /// `q8` or `q4`.
+    pub format: String,
+    /// One line naming the ONNX ops and the scheme.
+    pub scheme: String,
+    /// Weights per scale (32 for q4), 0 for one scale per output channel (q8).
+    pub block_size: u32,
+    /// What stays in float (e.g. the code predictor's stacked heads, norms, the vocoder).
+    pub float_weights: Vec<String>,
+    /// The export's fidelity gate against the float32 graphs.
+    pub gate: FidelityGate,
+}
+
+/// `[quantization.gate]`: the fidelity of the quantized step graphs against float32, measured
+/// by the exporter with onnxruntime on the same checkpoint (docs/bundle.md).
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct FidelityGate {
+    /// Whether every metric met its threshold (false only with `--allow-lossy`).
+    pub passed: bool,
+    /// Teacher-forced positions compared per stack.
+    pub positions: u64,
+    /// Talker logits SNR against float32, dB.
+    pub talker_logits_snr_db: f64,
+    /// Fraction of teacher-forced talker positions whose top-1 code matches float32.
+    pub talker_top1: f64,
+    /// Code-predictor logits SNR against float32, dB.
+    pub code_predictor_logits_snr_db: f64,
+    /// Fraction of teacher-forced code-predictor positions whose top-1 code matches.
+    pub code_predictor_top1: f64,
+    /// Texts decoded greedily, free-running, with both weight sets.
+    pub free_running_texts: u64,
+    /// Frames compared per text.
+    pub free_running_frames: u64,
+    /// Fewest frames until the first differing code over the texts.
+    pub free_running_agree_min: u64,
 }
 
 /// The whole `bundle.toml`.
@@ -368,6 +423,9 @@ pub struct Manifest {
     pub attention: AttentionInfo,
     /// Graph name → graph.
     pub graphs: BTreeMap<String, GraphInfo>,
+    /// `[quantization]`, present in q8/q4 bundles.
+    #[serde(default)]
+    pub quantization: Option<Quantization>,
 }
 
 impl Manifest {
@@ -401,6 +459,22 @@ impl Manifest {
     /// The dtype of weights and caches (`model.dtype`, validated at parse time).
     pub fn dtype(&self) -> Dtype {
         self.model.dtype.parse().unwrap_or(Dtype::Fp32)
+    }
+
+    /// How the talker's and code predictor's projections are stored (`model.weights`,
+    /// validated at parse time; the model dtype in bundles that predate it).
+    pub fn weights(&self) -> WeightFormat {
+        self.model.weights.as_deref().and_then(|w| w.parse().ok()).unwrap_or_else(|| self.dtype().into())
+    }
+
+    /// How graph `name` stores its weights (its own `weights` key, else the model's dtype;
+    /// the vocoder graphs are never quantized).
+    pub fn graph_weights(&self, name: &str) -> WeightFormat {
+        self.graphs
+            .get(name)
+            .and_then(|g| g.weights.as_deref())
+            .and_then(|w| w.parse().ok())
+            .unwrap_or_else(|| self.dtype().into())
     }
 
     /// The dtype of the host tables (`tables.dtype`: `float32` or `float16`).
@@ -445,6 +519,28 @@ impl Manifest {
         }
         if self.model.dtype.parse::<Dtype>().is_err() {
             return Err(format!("model.dtype {:?} must be \"fp32\" or \"fp16\"", self.model.dtype));
+        }
+        if let Some(w) = &self.model.weights {
+            let w: WeightFormat = w.parse().map_err(|e| format!("model.weights {e}"))?;
+            if w.is_quantized() != self.quantization.is_some() {
+                return Err(format!(
+                    "model.weights = {w:?} {} a [quantization] table",
+                    if w.is_quantized() { "needs" } else { "must not have" }
+                ));
+            }
+        }
+        for (name, g) in &self.graphs {
+            if let Some(w) = &g.weights {
+                w.parse::<WeightFormat>().map_err(|e| format!("graphs.{name}.weights {e}"))?;
+            }
+        }
+        if let Some(q) = &self.quantization {
+            if q.format.parse::<WeightFormat>().map(WeightFormat::is_quantized) != Ok(true) {
+                return Err(format!("quantization.format {:?} must be \"q8\" or \"q4\"", q.format));
+            }
+            if self.model.weights.as_deref() != Some(q.format.as_str()) {
+                return Err(format!("quantization.format {:?} differs from model.weights {:?}", q.format, self.model.weights));
+            }
         }
         let a = &self.audio;
         if a.sample_rate == 0 || a.samples_per_frame == 0 || a.num_codebooks < 2 || a.codebook_size == 0 {

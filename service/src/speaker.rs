@@ -95,7 +95,7 @@ pub fn check(prompter: &Prompter, request: &Request) -> Result<(), PromptError> 
 /// [`ServiceError::Tokenizer`] when the tokenizer cannot be loaded, [`ServiceError::Prompt`]
 /// for the request.
 pub fn check_in(dir: &Path, manifest: &Manifest, request: &Request) -> Result<(), ServiceError> {
-    let prompter = engine::read_prompter(dir, manifest).map_err(|source| ServiceError::Tokenizer { dir: dir.to_owned(), source })?;
+    let prompter = engine::shared_prompter(dir, manifest).map_err(|source| ServiceError::Tokenizer { dir: dir.to_owned(), source })?;
     check(&prompter, request).map_err(ServiceError::Prompt)
 }
 

@@ -116,6 +116,7 @@ fn calibrate(cfg: &Config, args: &CalibrateArgs) -> Result<(), Failure> {
         );
     }
     backend_tract::set_compute_threads(tuned.threads);
+    backend_tract::set_graph_cache_dir(Some(cfg.runtime.graph_cache_dir.clone()));
     // measure with the configured (default) ramp, never with a previous calibration
     let default_ramp = cfg.synthesis.ramp.clone();
     let steady = default_ramp.last().copied().unwrap_or(25);

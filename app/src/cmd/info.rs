@@ -30,7 +30,33 @@ pub fn run(config: Option<&Path>, a: InfoArgs) -> Result<(), Failure> {
 fn print_info(dir: &Path, m: &engine::Manifest) -> std::io::Result<()> {
     let mut o = std::io::stdout().lock();
     writeln!(o, "bundle      {}", dir.display())?;
-    writeln!(o, "model       {} {} {} ({}), from {}", m.model.family, m.model.size, m.model.kind, m.model.dtype, m.model.source)?;
+    writeln!(
+        o,
+        "model       {} {} {} ({} weights, {} activations and caches), from {}",
+        m.model.family,
+        m.model.size,
+        m.model.kind,
+        m.weights(),
+        m.model.dtype,
+        m.model.source
+    )?;
+    if let Some(q) = &m.quantization {
+        let g = &q.gate;
+        writeln!(o, "quantized   {}: {}; float: {}", q.format, q.scheme, q.float_weights.join(", "))?;
+        writeln!(
+            o,
+            "fidelity    gate {} at export: talker logits SNR {:.1} dB, top-1 {:.1} %; predictor {:.1} dB, {:.1} % ({} positions); greedy codes agree for >= {} of {} frames on {} texts",
+            if g.passed { "passed" } else { "FAILED (exported with --allow-lossy)" },
+            g.talker_logits_snr_db,
+            100.0 * g.talker_top1,
+            g.code_predictor_logits_snr_db,
+            100.0 * g.code_predictor_top1,
+            g.positions,
+            g.free_running_agree_min,
+            g.free_running_frames,
+            g.free_running_texts
+        )?;
+    }
     writeln!(
         o,
         "audio       {} Hz, {} samples/frame ({} frames/s), {} codebooks x {}",
@@ -55,9 +81,21 @@ fn print_info(dir: &Path, m: &engine::Manifest) -> std::io::Result<()> {
     writeln!(o, "speakers    {}", names(&m.speakers))?;
     let mut total = 0u64;
     for (name, g) in &m.graphs {
-        let size = std::fs::metadata(dir.join(&g.file)).map(|md| md.len()).unwrap_or(0);
+        // the weights' bytes as the exporter counted them; older bundles: the file and its
+        // external data on disk
+        let size = g.weight_bytes.unwrap_or_else(|| {
+            let len = |f: &str| std::fs::metadata(dir.join(f)).map(|md| md.len()).unwrap_or(0);
+            len(&g.file) + len(&format!("{}.data", g.file))
+        });
         total += size;
-        writeln!(o, "graph       {name:<15} {:>9.1} MB  {} inputs, {} outputs", size as f64 / 1e6, g.inputs.len(), g.outputs.len())?;
+        writeln!(
+            o,
+            "graph       {name:<15} {:<4} {:>9.1} MB of weights  {} inputs, {} outputs",
+            m.graph_weights(name).as_str(),
+            size as f64 / 1e6,
+            g.inputs.len(),
+            g.outputs.len()
+        )?;
     }
     let tables = std::fs::metadata(dir.join(&m.tables.file)).map(|md| md.len()).unwrap_or(0);
     let kv_per_pos = model::footprint::kv_bytes_per_position(&m.talker, m.dtype());

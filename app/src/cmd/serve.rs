@@ -90,6 +90,7 @@ pub fn run(config: Option<&Path>, args: ServeArgs) -> Result<(), Failure> {
     let tuned = crate::tuning::tune(&cfg, dir, &manifest)?;
     tuned.log();
     backend_tract::set_compute_threads(tuned.threads);
+    backend_tract::set_graph_cache_dir(Some(cfg.runtime.graph_cache_dir.clone()));
     let speaker = preparing.load(dir, &tuned.settings)?;
     // A language or speaker the bundle lacks would fail every line: refuse to start instead.
     speaker.check_voice().map_err(|e| fail(exit::INPUT, e))?;

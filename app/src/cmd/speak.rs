@@ -142,6 +142,7 @@ fn speak(cfg: &Config, text: &str, out: Option<&str>, raw: bool) -> Result<(), F
     let tuned = tuning::tune(cfg, dir, &manifest)?;
     tuned.log();
     backend_tract::set_compute_threads(tuned.threads);
+    backend_tract::set_graph_cache_dir(Some(cfg.runtime.graph_cache_dir.clone()));
     // Check the text and the voice before touching the device or loading the graphs.
     service::check_in(dir, &manifest, &request)?;
     let sink = target(out, raw)?.open(&settings.output).map_err(|e| fail(exit::sink_code(&e), e))?;

@@ -27,6 +27,8 @@ pub(crate) struct Graph {
     pub outputs: Vec<String>,
     /// Seconds spent reading, sanitizing and optimizing.
     pub load_seconds: f64,
+    /// Whether the decluttered model came from the graph cache ([`crate::cache`]).
+    pub cached: bool,
 }
 
 impl Graph {
@@ -101,6 +103,57 @@ pub(crate) fn load(dir: &Path, name: &str, info: &GraphInfo) -> Result<Graph, Gr
 /// # Errors
 /// As [`load`].
 pub(crate) fn load_plans(dir: &Path, name: &str, info: &GraphInfo, frames: &[Option<usize>]) -> Result<Vec<Graph>, GraphError> {
+    let path = dir.join(&info.file);
+    let tract_err = |e: TractError| GraphError::Runtime { path: path.clone(), backend: "tract", message: format!("{e:#}") };
+    let entries: Vec<Option<crate::cache::Entry>> =
+        frames.iter().map(|f| crate::cache::entry(dir, name, &info.file, &info.sha256, *f)).collect();
+    // every plan from the cache when it has them all; else the ONNX file is parsed once
+    let mut decluttered: Vec<(TypedModel, Vec<String>, Vec<String>, f64, bool)> = Vec::with_capacity(frames.len());
+    for e in &entries {
+        let t = Instant::now();
+        match e.as_ref().and_then(|e| e.read(info.inputs.len(), info.outputs.len())) {
+            Some((m, i, o)) => decluttered.push((m, i, o, t.elapsed().as_secs_f64(), true)),
+            None => {
+                decluttered.clear();
+                break;
+            }
+        }
+    }
+    if decluttered.is_empty() {
+        decluttered = parse_and_declutter(dir, name, info, frames)?;
+        for (e, (m, i, o, _, _)) in entries.iter().zip(&decluttered) {
+            if let Some(e) = e {
+                e.write(m, i, o);
+            }
+        }
+    }
+    let mut plans = Vec::with_capacity(frames.len());
+    for (f, (mut model, inputs, outputs, before, cached)) in frames.iter().zip(decluttered) {
+        let t = Instant::now();
+        model.optimize().map_err(tract_err)?;
+        let plan = model.into_runnable().map_err(tract_err)?;
+        let optimize = t.elapsed().as_secs_f64();
+        log::debug!(
+            "{name}: loaded {} ({f:?} frames) in {:.2} s: {} {before:.2} s, optimize {optimize:.2} s",
+            path.display(),
+            before + optimize,
+            if cached { "cached decluttered model" } else { "read, parse, type and declutter" },
+        );
+        plans.push(Graph { plan, inputs, outputs, load_seconds: before + optimize, cached });
+    }
+    Ok(plans)
+}
+
+/// The ONNX path of [`load_plans`]: read, sanitize, check IO, parse once, then type and
+/// declutter once per plan. Returns each plan's decluttered model, its IO names and the
+/// seconds it took (the parse counted in the first).
+#[allow(clippy::type_complexity)]
+fn parse_and_declutter(
+    dir: &Path,
+    name: &str,
+    info: &GraphInfo,
+    frames: &[Option<usize>],
+) -> Result<Vec<(TypedModel, Vec<String>, Vec<String>, f64, bool)>, GraphError> {
     let t0 = Instant::now();
     let path = dir.join(&info.file);
     let mut onnx = tract_onnx::onnx();
@@ -127,6 +180,7 @@ pub(crate) fn load_plans(dir: &Path, name: &str, info: &GraphInfo, frames: &[Opt
     let tract_err = |e: TractError| GraphError::Runtime { path: path.clone(), backend: "tract", message: format!("{e:#}") };
     let dir_str = dir.to_str();
     let mut parsed = onnx.parse(&proto, dir_str).map_err(tract_err)?;
+    drop(proto);
     if !parsed.unresolved_inputs.is_empty() {
         return Err(GraphError::Runtime {
             path: path.clone(),
@@ -134,7 +188,7 @@ pub(crate) fn load_plans(dir: &Path, name: &str, info: &GraphInfo, frames: &[Opt
             message: format!("unresolved inputs {:?}", parsed.unresolved_inputs),
         });
     }
-    let mut plans = Vec::with_capacity(frames.len());
+    let mut out = Vec::with_capacity(frames.len());
     let mut t = t0;
     for (i, f) in frames.iter().enumerate() {
         let mut model = if i + 1 == frames.len() { std::mem::take(&mut parsed.model) } else { parsed.model.clone() };
@@ -143,11 +197,19 @@ pub(crate) fn load_plans(dir: &Path, name: &str, info: &GraphInfo, frames: &[Opt
             let dt = fact.datum_type().unwrap_or(i64::datum_type());
             model.set_input_fact(0, InferenceFact::dt_shape(dt, [1, model::frame::CODEBOOKS, n])).map_err(tract_err)?;
         }
-        let plan = model.into_optimized().map_err(tract_err)?.into_runnable().map_err(tract_err)?;
-        let load_seconds = t.elapsed().as_secs_f64();
+        let t_typed = Instant::now();
+        let typed = model.into_typed().map_err(tract_err)?;
+        let t_declutter = Instant::now();
+        let model = typed.into_decluttered().map_err(tract_err)?;
+        log::debug!(
+            "{name}: {} ({f:?} frames): read+parse {:.2} s, typing {:.2} s, declutter {:.2} s",
+            path.display(),
+            (t_typed - t).as_secs_f64(),
+            (t_declutter - t_typed).as_secs_f64(),
+            t_declutter.elapsed().as_secs_f64()
+        );
+        out.push((model, input_names.clone(), output_names.clone(), t.elapsed().as_secs_f64(), false));
         t = Instant::now();
-        log::debug!("{name}: loaded {} ({f:?} frames) in {:.2} s", path.display(), load_seconds);
-        plans.push(Graph { plan, inputs: input_names.clone(), outputs: output_names.clone(), load_seconds });
     }
-    Ok(plans)
+    Ok(out)
 }

@@ -8,6 +8,7 @@
 //! [`compute`] gives each pipeline stage its own matrix-product threads. [`sanitize`] rewrites
 //! torch-exported graphs into a form tract loads (also `herald sanitize`).
 
+pub mod cache;
 pub mod compute;
 mod graph;
 pub mod profile;
@@ -24,6 +25,7 @@ use model::backend::{
 };
 use model::manifest::Manifest;
 
+pub use cache::set_graph_cache_dir;
 pub use compute::set_compute_threads;
 
 /// The tract backend. Stateless: every [`Backend::load`] reads and optimizes the graphs anew.
@@ -39,22 +41,39 @@ impl Backend for Tract {
         let info_of = |name: &str| {
             manifest.graphs.get(name).ok_or_else(|| BackendError::Unsupported(format!("bundle.toml has no graph {name:?}")))
         };
-        let g = |name: &str| graph::load(dir, name, info_of(name)?);
         let vocoder_key = manifest.vocoder_graph(form).ok_or_else(|| {
             BackendError::Unsupported(format!(
                 "the bundle has no {form} vocoder graph ([vocoder].stream_graph is missing: re-export it with a current herald-export, or use synthesis.vocoder = \"windowed\")"
             ))
         })?;
-        let talker = g(&manifest.talker.graph)?;
-        let predictor = g(&manifest.code_predictor.graph)?;
-        let info = info_of(vocoder_key)?;
+        let talker_info = info_of(&manifest.talker.graph)?;
+        let predictor_info = info_of(&manifest.code_predictor.graph)?;
+        let vocoder_info = info_of(vocoder_key)?;
+        let vocoder_sizes: Vec<Option<usize>> = match form {
+            VocoderForm::Windowed => vec![None],
+            VocoderForm::Stateful => vocoder::STREAM_PLAN_FRAMES.iter().map(|&n| Some(n)).collect(),
+        };
+        // The three graphs are independent: each is read, typed and optimized on its own
+        // thread, so a board with more than one core opens the bundle in about the time of the
+        // slowest graph rather than the sum (tract's optimizer is single-threaded).
+        let (talker, predictor, vocoder_plans) = std::thread::scope(|s| {
+            let t = std::thread::Builder::new()
+                .name("load-talker".into())
+                .spawn_scoped(s, || graph::load(dir, &manifest.talker.graph, talker_info));
+            let p = std::thread::Builder::new()
+                .name("load-predictor".into())
+                .spawn_scoped(s, || graph::load(dir, &manifest.code_predictor.graph, predictor_info));
+            let v = graph::load_plans(dir, vocoder_key, vocoder_info, &vocoder_sizes);
+            let finish = |h: std::io::Result<std::thread::ScopedJoinHandle<'_, Result<graph::Graph, BackendError>>>| match h {
+                Ok(h) => h.join().unwrap_or_else(|_| Err(BackendError::Unsupported("a graph loader thread panicked".into()))),
+                Err(e) => Err(BackendError::Unsupported(format!("cannot start a graph loader thread: {e}"))),
+            };
+            (finish(t), finish(p), v)
+        });
+        let (talker, predictor) = (talker?, predictor?);
         let vocoder = match form {
-            VocoderForm::Windowed => vec![(0, graph::load(dir, vocoder_key, info)?)],
-            VocoderForm::Stateful => {
-                let sizes: Vec<Option<usize>> = vocoder::STREAM_PLAN_FRAMES.iter().map(|&n| Some(n)).collect();
-                let plans = graph::load_plans(dir, vocoder_key, info, &sizes)?;
-                vocoder::STREAM_PLAN_FRAMES.iter().copied().zip(plans).collect()
-            }
+            VocoderForm::Windowed => vocoder_plans?.into_iter().map(|g| (0, g)).collect(),
+            VocoderForm::Stateful => vocoder::STREAM_PLAN_FRAMES.iter().copied().zip(vocoder_plans?).collect(),
         };
         Ok(Box::new(TractGraphs { manifest: manifest.clone(), talker, predictor, vocoder, vocoder_form: form }))
     }
@@ -125,6 +144,7 @@ impl LoadedGraphs for TractGraphs {
             talker: self.talker.load_seconds,
             code_predictor: self.predictor.load_seconds,
             vocoder: self.vocoder.iter().map(|(_, g)| g.load_seconds).sum(),
+            from_cache: self.talker.cached && self.predictor.cached && self.vocoder.iter().all(|(_, g)| g.cached),
         }
     }
 }

@@ -13,6 +13,20 @@ use std::sync::OnceLock;
 
 pub const PRESETS: [&str; 3] = ["tiny-0.6b", "tiny-1.7b", "tiny-hybrid"];
 
+/// The quantized tiny bundles: `tiny-q` (every matrix dimension a multiple of 32, so tract
+/// keeps its Q4_0 blocks) exported with `--dtype q4` and `--dtype q8`, and its float32 twin.
+pub const QUANTIZED: [&str; 2] = ["tiny-q-q4", "tiny-q-q8"];
+
+/// `(preset, dtype)` of a test bundle name: `tiny-q-q4` is the preset `tiny-q` in q4.
+fn preset_and_dtype(name: &str) -> (&str, &str) {
+    for d in ["q4", "q8"] {
+        if let Some(p) = name.strip_suffix(&format!("-{d}")) {
+            return (p, d);
+        }
+    }
+    (name, "fp32")
+}
+
 fn repo_root() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).parent().expect("workspace root").to_path_buf()
 }
@@ -25,17 +39,18 @@ pub fn bundles() -> &'static Path {
             return PathBuf::from(d);
         }
         let dir = PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join("tiny-bundles");
-        for preset in PRESETS {
-            let out = dir.join(preset);
+        for name in PRESETS.iter().chain(&QUANTIZED).chain(&["tiny-q"]) {
+            let out = dir.join(name);
             if out.join("bundle.toml").is_file() {
                 continue;
             }
+            let (preset, dtype) = preset_and_dtype(name);
             let status = Command::new(repo_root().join("tools/export/export"))
-                .args(["export", "--tiny", preset, "--seed", "7", "--quiet", "--out"])
+                .args(["export", "--tiny", preset, "--seed", "7", "--dtype", dtype, "--quiet", "--out"])
                 .arg(&out)
                 .status()
                 .expect("run tools/export/export");
-            assert!(status.success(), "exporting {preset} failed");
+            assert!(status.success(), "exporting {name} failed");
         }
         dir
     })
