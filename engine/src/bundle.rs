@@ -63,10 +63,10 @@ pub fn shared_prompter(dir: &Path, manifest: &Manifest) -> Result<Arc<Prompter>,
             (p, md.as_ref().map_or(0, |m| m.len()), md.and_then(|m| m.modified().ok()))
         })
         .collect();
-    if let Some((key, p)) = PROMPTER_MEMO.lock().unwrap_or_else(|e| e.into_inner()).as_ref() {
-        if *key == id {
-            return Ok(p.clone());
-        }
+    if let Some((key, p)) = PROMPTER_MEMO.lock().unwrap_or_else(|e| e.into_inner()).as_ref()
+        && *key == id
+    {
+        return Ok(p.clone());
     }
     let p = Arc::new(read_prompter(dir, manifest)?);
     *PROMPTER_MEMO.lock().unwrap_or_else(|e| e.into_inner()) = Some((id, p.clone()));

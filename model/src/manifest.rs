@@ -470,11 +470,7 @@ impl Manifest {
     /// How graph `name` stores its weights (its own `weights` key, else the model's dtype;
     /// the vocoder graphs are never quantized).
     pub fn graph_weights(&self, name: &str) -> WeightFormat {
-        self.graphs
-            .get(name)
-            .and_then(|g| g.weights.as_deref())
-            .and_then(|w| w.parse().ok())
-            .unwrap_or_else(|| self.dtype().into())
+        self.graphs.get(name).and_then(|g| g.weights.as_deref()).and_then(|w| w.parse().ok()).unwrap_or_else(|| self.dtype().into())
     }
 
     /// The dtype of the host tables (`tables.dtype`: `float32` or `float16`).

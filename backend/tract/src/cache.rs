@@ -66,11 +66,7 @@ fn herald_registry() -> Registry {
     });
     r.register_primitive(
         "herald_snake",
-        &[
-            TypeName::Scalar.tensor().named("x"),
-            TypeName::Scalar.tensor().named("a"),
-            TypeName::Scalar.tensor().named("inv_b"),
-        ],
+        &[TypeName::Scalar.tensor().named("x"), TypeName::Scalar.tensor().named("a"), TypeName::Scalar.tensor().named("inv_b")],
         &[("output", TypeName::Scalar.tensor())],
         |builder: &mut ModelBuilder, invocation: &ResolvedInvocation| {
             let x = invocation.named_arg_as(builder, "x")?;

@@ -94,11 +94,19 @@ pub(crate) fn load(dir: &Path, name: &str, info: &GraphInfo) -> Result<Graph, Gr
     plans.pop().ok_or_else(|| GraphError::Unsupported(format!("{name}: no plan")))
 }
 
+/// One plan's decluttered model before optimization: the model, its ONNX input and output
+/// names in plan order, the seconds it took, and whether it came from the graph cache.
+type Decluttered = (TypedModel, Vec<String>, Vec<String>, f64, bool);
+
 /// [`load`] once per entry of `frames`, parsing the file once: `Some(n)` fixes the first
 /// input's symbolic dimension to `n` (a vocoder graph's `codes [1, 16, frames]`) before tract
 /// optimizes, because tract picks its faster convolution kernels (lazy im2col, direct spatial)
 /// only for concrete shapes; `None` keeps it symbolic. Each plan holds its own optimized
 /// (packed) weights.
+///
+/// With a graph cache directory set ([`crate::cache`]), the decluttered models come from the
+/// cache when it holds every plan (the ONNX file is then not read), and are written to it
+/// after a parse; optimizing (CPU-specific) always runs.
 ///
 /// # Errors
 /// As [`load`].
@@ -108,7 +116,7 @@ pub(crate) fn load_plans(dir: &Path, name: &str, info: &GraphInfo, frames: &[Opt
     let entries: Vec<Option<crate::cache::Entry>> =
         frames.iter().map(|f| crate::cache::entry(dir, name, &info.file, &info.sha256, *f)).collect();
     // every plan from the cache when it has them all; else the ONNX file is parsed once
-    let mut decluttered: Vec<(TypedModel, Vec<String>, Vec<String>, f64, bool)> = Vec::with_capacity(frames.len());
+    let mut decluttered: Vec<Decluttered> = Vec::with_capacity(frames.len());
     for e in &entries {
         let t = Instant::now();
         match e.as_ref().and_then(|e| e.read(info.inputs.len(), info.outputs.len())) {
@@ -147,13 +155,7 @@ pub(crate) fn load_plans(dir: &Path, name: &str, info: &GraphInfo, frames: &[Opt
 /// The ONNX path of [`load_plans`]: read, sanitize, check IO, parse once, then type and
 /// declutter once per plan. Returns each plan's decluttered model, its IO names and the
 /// seconds it took (the parse counted in the first).
-#[allow(clippy::type_complexity)]
-fn parse_and_declutter(
-    dir: &Path,
-    name: &str,
-    info: &GraphInfo,
-    frames: &[Option<usize>],
-) -> Result<Vec<(TypedModel, Vec<String>, Vec<String>, f64, bool)>, GraphError> {
+fn parse_and_declutter(dir: &Path, name: &str, info: &GraphInfo, frames: &[Option<usize>]) -> Result<Vec<Decluttered>, GraphError> {
     let t0 = Instant::now();
     let path = dir.join(&info.file);
     let mut onnx = tract_onnx::onnx();
