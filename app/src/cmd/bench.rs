@@ -103,8 +103,9 @@ pub struct BenchArgs {
     /// Instead of the benchmark, profile one stage per op type: `vocoder` times every node of
     /// the vocoder graph over `--profile-frames` frames (windowed: one single pass; stateful:
     /// one chunk from the zero state), folded onto ONNX op types (docs/performance.md "Vocoder (issue
-    /// 13)").
-    #[arg(long, value_name = "STAGE", value_parser = ["vocoder"])]
+    /// 13)"); `talker` and `code-predictor` time one-position steps of that graph (the first
+    /// `--past` length of filled cache; `--steps` runs).
+    #[arg(long, value_name = "STAGE", value_parser = ["vocoder", "talker", "code-predictor"])]
     pub profile: Option<String>,
     /// Frames of the profiled vocoder pass (1 to 1000).
     #[arg(long, default_value_t = 25, value_name = "N", value_parser = clap::value_parser!(u64).range(1..=1000))]
@@ -155,6 +156,9 @@ pub fn config(a: &BenchArgs) -> anyhow::Result<BenchConfig> {
     }
     if a.profile.is_none() && (a.profile_concrete || a.profile_frames != 25) {
         anyhow::bail!("--profile-frames and --profile-concrete need --profile vocoder");
+    }
+    if a.profile.as_deref().is_some_and(|p| p != "vocoder") && (a.profile_concrete || a.profile_frames != 25) {
+        anyhow::bail!("--profile-frames and --profile-concrete apply to --profile vocoder only");
     }
     let sweep_to = if a.steps_only { 0 } else { a.sweep.unwrap_or(cpus) };
     Ok(BenchConfig {
@@ -213,6 +217,24 @@ pub fn profile(a: &BenchArgs) -> anyhow::Result<()> {
     backend_tract::set_compute_threads(cfg.threads);
     let in_bundle = || format!("bundle {}", a.bundle.display());
     let manifest = engine::bundle::read_manifest(&a.bundle).map_err(engine::EngineError::from).with_context(in_bundle)?;
+    if let Some(stage @ ("talker" | "code-predictor")) = a.profile.as_deref() {
+        let past = a.past.first().copied().unwrap_or(64);
+        let runs = a.steps.max(1);
+        let profiled = backend_tract::profile::profile_step(&a.bundle, &manifest, stage == "code-predictor", past, runs);
+        let (ops, total) = profiled.map_err(engine::EngineError::from).with_context(in_bundle)?;
+        let title = format!(
+            "{stage} step profile (herald's tract): one position over {past} filled cache positions, bundle `{}` ({} weights), {} compute thread(s), median of {runs} run(s): {total:.2} ms.",
+            a.bundle.display(),
+            manifest.weights(),
+            cfg.threads
+        );
+        return write_profile(
+            a,
+            &title,
+            &ops,
+            serde_json::json!({"stage": stage, "past": past, "threads": cfg.threads, "runs": runs, "total_ms": total}),
+        );
+    }
     let form = cfg.vocoder.unwrap_or_else(|| manifest.default_vocoder_form());
     if manifest.vocoder_graph(form).is_none() {
         return Err(anyhow::Error::new(engine::EngineError::Config(format!(
@@ -233,23 +255,37 @@ pub fn profile(a: &BenchArgs) -> anyhow::Result<()> {
         model::backend::VocoderForm::Windowed => format!("one single pass of {frames} frames"),
         model::backend::VocoderForm::Stateful => format!("one stateful chunk of {frames} frames"),
     };
-    let mut md = format!(
-        "Vocoder profile (herald's tract): {what}, bundle `{}`, {} compute thread(s), median of {runs} run(s): {total:.1} ms ({:.1} ms per frame).\n\n| op type | tract ops (ms) | nodes | ms | share |\n|---|---|---|---|---|\n",
+    let title = format!(
+        "Vocoder profile (herald's tract): {what}, bundle `{}`, {} compute thread(s), median of {runs} run(s): {total:.1} ms ({:.1} ms per frame).",
         a.bundle.display(),
         cfg.threads,
         total / frames as f64
     );
+    let json = serde_json::json!({
+        "bundle": a.bundle, "form": form.name(), "frames": frames, "threads": cfg.threads, "runs": runs,
+        "total_ms": total,
+    });
+    write_profile(a, &title, &ops, json)
+}
+
+/// Print a profile as markdown (title, then one row per op type) and write `--json` (`json`
+/// plus the ops) and `--markdown`.
+fn write_profile(
+    a: &BenchArgs,
+    title: &str,
+    ops: &[backend_tract::profile::OpTime],
+    mut json: serde_json::Value,
+) -> anyhow::Result<()> {
+    let mut md = format!("{title}\n\n| op type | tract ops (ms) | nodes | ms | share |\n|---|---|---|---|---|\n");
     let sum: f64 = ops.iter().map(|o| o.ms).sum::<f64>().max(f64::MIN_POSITIVE);
-    for o in &ops {
+    for o in ops {
         let parts: Vec<String> =
             o.tract_ops.iter().filter(|(_, ms)| *ms >= 0.05).map(|(name, ms)| format!("{name} {ms:.1}")).collect();
         md.push_str(&format!("| {} | {} | {} | {:.1} | {:.1} % |\n", o.op, parts.join(", "), o.nodes, o.ms, 100.0 * o.ms / sum));
     }
     if let Some(p) = &a.json {
-        let json = serde_json::json!({
-            "bundle": a.bundle, "form": form.name(), "frames": frames, "threads": cfg.threads, "runs": runs,
-            "total_ms": total, "ops": ops,
-        });
+        json["bundle"] = serde_json::json!(a.bundle);
+        json["ops"] = serde_json::to_value(ops).context("serializing the profile")?;
         write_atomic(p, &serde_json::to_vec_pretty(&json).context("serializing the profile")?)?;
     }
     if let Some(p) = &a.markdown {

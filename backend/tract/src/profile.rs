@@ -1,5 +1,6 @@
-//! Per-node timing of a vocoder graph on tract, folded onto ONNX op types: where the vocoder's
-//! time goes (`herald bench --profile vocoder`, docs/performance.md "Vocoder (issue 13)").
+//! Per-node timing of a graph on tract, folded onto ONNX op types: where the vocoder's time goes
+//! (`herald bench --profile vocoder`, docs/performance.md "Vocoder (issue 13)") and a talker or
+//! code-predictor step's (`--profile talker|code-predictor`, "Quantized weights (issue 14)").
 
 use std::collections::BTreeMap;
 use std::path::Path;
@@ -72,8 +73,19 @@ pub fn profile_vocoder(
         })?;
         inputs.extend(zeros.into_iter().map(|(_, t)| t));
     }
+    time_nodes(&graph, inputs, runs, rt)
+}
+
+/// Run `graph` on `inputs` `runs` times after one warm-up, timing every node; fold the node
+/// times onto ONNX op types. Returns the op types by decreasing time and the median total ms.
+fn time_nodes(
+    graph: &crate::graph::Graph,
+    inputs: TVec<TValue>,
+    runs: usize,
+    rt: impl Fn(TractError) -> BackendError,
+) -> Result<(Vec<OpTime>, f64), BackendError> {
     let model = graph.plan.model();
-    let mut state = graph.plan.spawn().map_err(rt)?;
+    let mut state = graph.plan.spawn().map_err(&rt)?;
     let mut per_run: Vec<Vec<f64>> = Vec::new();
     let mut totals = Vec::new();
     for run in 0..=runs.max(1) {
@@ -86,7 +98,7 @@ pub fn profile_vocoder(
                 times[node.id] += t.elapsed().as_secs_f64();
                 r
             })
-            .map_err(rt)?;
+            .map_err(&rt)?;
         if run > 0 {
             totals.push(t0.elapsed().as_secs_f64() * 1e3);
             per_run.push(times);
@@ -121,6 +133,47 @@ pub fn profile_vocoder(
         .collect();
     out.sort_by(|a, b| b.ms.total_cmp(&a.ms));
     Ok((out, model::stats::median(&mut totals)))
+}
+
+/// Profile `runs` one-position steps (after one warm-up) of the bundle's talker
+/// (`code_predictor == false`) or code-predictor step graph, with `past` filled cache
+/// positions (zeros: the time of a step does not depend on the values). Returns the op types
+/// by decreasing time and the median step ms.
+///
+/// # Errors
+/// [`BackendError`] when the graph cannot be loaded or run.
+pub fn profile_step(
+    dir: &Path,
+    manifest: &Manifest,
+    code_predictor: bool,
+    past: usize,
+    runs: usize,
+) -> Result<(Vec<OpTime>, f64), BackendError> {
+    let key = if code_predictor { &manifest.code_predictor.graph } else { &manifest.talker.graph };
+    let info = manifest.graphs.get(key).ok_or_else(|| BackendError::Unsupported(format!("bundle.toml has no graph {key:?}")))?;
+    let graph = crate::graph::load(dir, key, info)?;
+    let path = dir.join(&info.file);
+    let rt = |e: TractError| BackendError::Runtime { path: path.clone(), backend: "tract", message: format!("{e:#}") };
+    let mut inputs: TVec<TValue> = tvec![];
+    for spec in &info.inputs {
+        let shape: Vec<usize> = spec
+            .shape
+            .iter()
+            .map(|d| match d {
+                model::manifest::Dim::Fixed(n) => *n as usize,
+                model::manifest::Dim::Symbol(s) if s == "past" => past,
+                model::manifest::Dim::Symbol(_) => 1,
+            })
+            .collect();
+        let t = match spec.dtype.as_str() {
+            "int64" => Tensor::zero::<i64>(&shape),
+            "float16" => Tensor::zero::<half::f16>(&shape),
+            _ => Tensor::zero::<f32>(&shape),
+        }
+        .map_err(rt)?;
+        inputs.push(t.into_tvalue());
+    }
+    time_nodes(&graph, inputs, runs, rt)
 }
 
 #[cfg(test)]
