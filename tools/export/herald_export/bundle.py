@@ -218,7 +218,10 @@ def export(checkpoint: Path, out: Path, dtype: str = "fp32", quiet: bool = False
         }
         _write_manifest(tmp, manifest)
         if quant:
-            gate = _run_gate(spec, w, tmp, quant, bar_opts)
+            # unmap the checkpoint first: its pages, all touched by now, would count towards
+            # this process's memory while the gate holds its onnxruntime sessions
+            w = None
+            gate = _run_gate(spec, tmp, quant, bar_opts)
             scheme, block = QUANT_SCHEMES[quant]
             manifest["quantization"] = {"format": quant, "scheme": scheme, "block_size": block,
                                         "float_weights": FLOAT_WEIGHTS, "gate": gate.table()}
@@ -265,10 +268,11 @@ GATE_FLOAT_DIR = ".gate-fp32"
 GATE_ONE_THREAD_BYTES = 256 * 2**20
 
 
-def _run_gate(spec: ModelSpec, w: LMWeights, tmp: Path, quant: str, bar_opts: dict):
+def _run_gate(spec: ModelSpec, tmp: Path, quant: str, bar_opts: dict):
     """Build the float32 step graphs next to the quantized bundle and run the fidelity gate."""
     from .gate import run_gate
 
+    w = LMWeights(spec)
     ref_dir = tmp / GATE_FLOAT_DIR
     ref_dir.mkdir()
     paths, float_bytes = {}, 0
@@ -280,6 +284,7 @@ def _run_gate(spec: ModelSpec, w: LMWeights, tmp: Path, quant: str, bar_opts: di
             _save(model, paths[which])
             del model
             bar.update(1)
+    del w
     threads = 1 if float_bytes <= GATE_ONE_THREAD_BYTES else None
     with tqdm(desc=f"gate: {quant} vs fp32", unit="frame", **bar_opts) as bar:
         result = run_gate(tmp, paths["talker"], paths["code_predictor"], quant, threads=threads, progress=bar.update)

@@ -165,7 +165,8 @@ class GraphBuilder:
         """Append one node; returns its output name (or a tuple of names for n_out > 1)."""
         outs = [self.fresh(hint or op_type.lower()) for _ in range(n_out)]
         self.nodes.append(
-            helper.make_node(op_type, list(inputs), outs, name=self.fresh(f"n_{op_type}"), domain=domain, **attrs)
+            helper.make_node(op_type, list(inputs), outs, name=self.fresh(f"n_{op_type}"),
+                             **({"domain": domain} if domain else {}), **attrs)
         )
         if domain:
             self._domains.add(domain)
@@ -288,14 +289,20 @@ class GraphBuilder:
         initializers exceed :data:`IN_MEMORY_CHECK_BYTES` (the 1.7B talker: 2.8 GB in fp16) is
         checked after it is saved with external data instead (``bundle._save``).
         """
-        graph = helper.make_graph(self.nodes, self.name, self.inputs, self.outputs, self.inits, doc_string=doc)
         m = helper.make_model(
-            graph,
+            helper.make_graph(self.nodes, self.name, self.inputs, self.outputs, [], doc_string=doc),
             opset_imports=[helper.make_opsetid("", OPSET)]
             + [helper.make_opsetid(d, MS_OPSET) for d in sorted(self._domains)],
             producer_name="herald-export",
             ir_version=8,
         )
+        # Move the initializers in one at a time (protobuf copies on append, and make_model
+        # copies the whole graph): the weights exist twice only one tensor at a time, instead of
+        # three times over (builder, graph, model). The builder is spent afterwards.
+        inits, self.inits = self.inits, []
+        inits.reverse()
+        while inits:
+            m.graph.initializer.append(inits.pop())
         if initializer_bytes(m) <= IN_MEMORY_CHECK_BYTES:
             onnx.checker.check_model(m, full_check=True)
         return m
