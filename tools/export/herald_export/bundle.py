@@ -45,7 +45,7 @@ QUANT_DTYPES = ("q8", "q4")
 #: ``[quantization] scheme`` and ``block_size`` per format.
 QUANT_SCHEMES = {
     "q4": ("MatMulNBits (com.microsoft) bits=4 block_size=32 symmetric (no zero points), float16-exact float32 scales", 32),
-    "q8": ("int8 per output channel symmetric weights, DynamicQuantizeLinear uint8 per-tensor activations, MatMulInteger", 0),
+    "q8": ("int8 per output channel symmetric weights, int8 per-tensor symmetric dynamic activations (absmax/127, no zero points), MatMulInteger int8 x int8", 0),
 }
 #: What stays float in a quantized bundle (``[quantization] float_weights``).
 FLOAT_WEIGHTS = ["code_predictor lm_heads", "norms", "embeddings (host tables)", "vocoder"]

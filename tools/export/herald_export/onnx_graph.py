@@ -14,9 +14,10 @@ Conventions
 - ``linear`` takes a torch ``nn.Linear`` weight ``[out, in]`` and stores it transposed
   ``[in, out]`` so the graph is one ``MatMul`` (plus ``Add`` for a bias). A builder made with
   ``quant="q4"`` or ``"q8"`` writes every ``linear`` as a weight-only quantized matmul instead
-  (:mod:`herald_export.quant`): ``com.microsoft`` ``MatMulNBits`` for q4, and
-  ``DynamicQuantizeLinear`` -> ``MatMulInteger`` -> ``Cast`` -> ``Mul`` for q8 (one
-  ``DynamicQuantizeLinear`` per distinct input, shared by the projections that read it).
+  (:mod:`herald_export.quant`): ``com.microsoft`` ``MatMulNBits`` for q4, and for q8 a
+  symmetric int8 activation quantization (``Abs``/``ReduceMax``/``Div``/``Max``, then
+  ``Div``/``Round``/``Clip``/``Cast``; one per distinct input, shared by the projections that
+  read it) -> ``MatMulInteger`` (int8 x int8, no zero points) -> ``Cast`` -> ``Mul``.
 """
 
 from __future__ import annotations
@@ -84,7 +85,7 @@ class GraphBuilder:
         self.name = name
         self.wdtype = np.dtype(weight_dtype)
         self.quant = quant
-        self._dql_cache: dict[str, tuple[str, str, str]] = {}
+        self._q8_act_cache: dict[str, tuple[str, str]] = {}
         self._domains: set[str] = set()
         self.nodes: list[onnx.NodeProto] = []
         self.inits: list[onnx.TensorProto] = []
@@ -249,16 +250,41 @@ class GraphBuilder:
         return self.op("MatMulNBits", [x, qb, qs], domain=MS_DOMAIN, K=K, N=N, bits=4, block_size=Q4_BLOCK)
 
     def _linear_q8(self, x, w: np.ndarray, wname: str | None):
-        """int8 weights per output channel; ``x`` quantized per tensor at run time (uint8)."""
+        """int8 weights per output channel; ``x`` quantized per tensor at run time (int8, symmetric)."""
         from .quant import quantize_q8
 
         wq, scale = quantize_q8(w, wname or "linear weight")
-        if x not in self._dql_cache:
-            self._dql_cache[x] = self.op("DynamicQuantizeLinear", [x], n_out=3, hint="xq")
-        xq, xs, xzp = self._dql_cache[x]
-        yi = self.op("MatMulInteger", [xq, self.const(wq, name=f"{wname}.q8" if wname else None), xzp])
+        xq, xs = self._quantize_activation_q8(x)
+        yi = self.op("MatMulInteger", [xq, self.const(wq, name=f"{wname}.q8" if wname else None)])
         ys = self.mul(xs, self.const(scale, name=f"{wname}.scale" if wname else None))   # [N]
         return self.mul(self.cast(yi, np.float32), ys)
+
+    def _quantize_activation_q8(self, x) -> tuple[str, str]:
+        """Symmetric per-tensor int8 quantization of ``x``: (xq int8, s float32 rank 0).
+
+        ``s = max(max|x| / 127, Q8_TINY_SCALE)``, ``xq = int8(clip(round(x / s), -127, 127))``
+        (Round is half to even, as ``np.rint``); an all-zero ``x`` gives codes 0, never NaN.
+        There is no zero point, so no runtime has to compensate one (tract would otherwise
+        recompute the column sums of the constant weight on every step). Built once per
+        distinct ``x`` and shared by the projections that read it (q/k/v, gate/up).
+
+        ``s`` is rank 0 (ReduceMax over every axis, keepdims 0), as DynamicQuantizeLinear's
+        scale was: onnxruntime 1.32 fuses MatMulInteger/Cast/Mul/Add into MatMulIntegerToFloat
+        and that kernel adds a bias wrongly when the activation scale has rank >= 2.
+        """
+        from .quant import Q8_MAX, Q8_TINY_SCALE
+
+        if x not in self._q8_act_cache:
+            with self.scope("q8_act"):
+                amax = self.op("ReduceMax", [self.op("Abs", [x])], keepdims=0)     # all axes: rank 0
+                s = self.op("Max", [self.div(amax, self.const(np.asarray(Q8_MAX, np.float32))),
+                                    self.const(np.asarray(Q8_TINY_SCALE, np.float32))], hint="xs")
+                r = self.op("Round", [self.div(x, s)])
+                lo = self.const(np.asarray(-Q8_MAX, np.float32))                     # rank 0 (Clip-11)
+                hi = self.const(np.asarray(Q8_MAX, np.float32))
+                xq = self.cast(self.op("Clip", [r, lo, hi]), np.int8)
+            self._q8_act_cache[x] = (xq, s)
+        return self._q8_act_cache[x]
 
     def rms_norm(self, x, w: np.ndarray, eps: float):
         """RMSNorm as Qwen3 computes it: in float32, then cast back, then scaled by ``w``.

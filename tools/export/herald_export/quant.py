@@ -24,10 +24,16 @@ caller holds one float32 matrix and its quantized form, never a whole model):
     ``tests/test_quant.py`` checks the search is never worse than either.
 
 ``q8`` -- int8 per output channel, ``s[n] = absmax(w[n, :]) / 127``, ``q = round(w / s)`` in
-    -127..127, stored transposed as ``[K, N]`` int8 for ``MatMulInteger``; activations are
-    quantized per tensor at run time by ``DynamicQuantizeLinear`` (uint8, asymmetric), so
-    ``y = float(MatMulInteger(xq, Wq, x_zp)) * (x_scale * s)``. tract-onnx 0.23.9 does not run
-    ``MatMulNBits`` with bits 8; these plain ONNX ops it runs on its integer kernels.
+    -127..127, stored transposed as ``[K, N]`` int8 for ``MatMulInteger``. Activations are
+    quantized per tensor at run time, symmetric int8 with no zero point (:func:`quantize_activation_q8`):
+    ``xs = max(max|x| / 127, Q8_TINY_SCALE)``, ``xq = int8(clip(round(x / xs), -127, 127))``, so
+    ``y = float(MatMulInteger(xq, Wq)) * (xs * s)`` with neither ``a_zero_point`` nor
+    ``b_zero_point``. Plain opset-17 ops (Abs, ReduceMax, Div, Max, Round, Clip, Cast). No zero
+    point anywhere because a runtime must otherwise compensate ``x_zp * colsum(Wq)``: tract
+    0.23.9 recomputes those column sums of the constant weight on every step (the uint8
+    ``DynamicQuantizeLinear`` form this replaced spent 2.0 s of a 2.2 s 0.6B talker step there).
+    tract-onnx 0.23.9 does not run ``MatMulNBits`` with bits 8; these plain ONNX ops it runs on
+    its integer kernels.
 """
 
 from __future__ import annotations
@@ -41,8 +47,11 @@ Q4_BLOCK = 32
 #: Signed divisors tried per block: scale = absmax / d (d > 0) or -m / |d| (d < 0, m = the signed
 #: extreme). 7 = plain absmax/7, -8 = GGML Q4_0; the rest lie between and just past them.
 Q4_SCALE_DIVISORS = (7.0, 7.25, 7.5, 7.75, 8.0, -7.5, -7.75, -8.0, -8.25, -8.5)
-#: Largest int8 code of q8 (symmetric: -127..127, -128 unused).
+#: Largest int8 code of q8, weights and activations (symmetric: -127..127, -128 unused).
 Q8_MAX = 127
+#: Smallest q8 activation scale (the smallest normal float32): an all-zero input quantizes to
+#: codes 0 instead of 0 / 0.
+Q8_TINY_SCALE = float(np.finfo(np.float32).tiny)
 
 
 def _f16_exact(s: np.ndarray) -> np.ndarray:
@@ -122,3 +131,14 @@ def quantize_q8(w: np.ndarray, name: str = "weight") -> tuple[np.ndarray, np.nda
 def dequantize_q8(wq: np.ndarray, scale: np.ndarray) -> np.ndarray:
     """The float32 weight [N, K] a q8 matrix stands for (before activation quantization)."""
     return (wq.astype(np.float32) * scale[None, :]).T
+
+
+def quantize_activation_q8(x: np.ndarray) -> tuple[np.ndarray, np.float32]:
+    """What a q8 graph does to a projection's input: (xq int8, per-tensor scale xs float32).
+
+    ``x ~= xq * xs``; symmetric, no zero point; ``np.rint`` rounds half to even like ONNX Round.
+    """
+    x = np.asarray(x, dtype=np.float32)
+    xs = np.maximum(np.float32(np.abs(x).max()) / np.float32(Q8_MAX), np.float32(Q8_TINY_SCALE))
+    xq = np.clip(np.rint(x / xs), -Q8_MAX, Q8_MAX).astype(np.int8)
+    return xq, np.float32(xs)

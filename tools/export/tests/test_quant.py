@@ -108,13 +108,20 @@ def _linear_model(fmt: str, w: np.ndarray, bias: np.ndarray | None = None, twice
     return b.model()
 
 
-def _dynamic_quantize_linear(x: np.ndarray):
-    """ONNX DynamicQuantizeLinear, from the operator spec (uint8, round half to even)."""
-    lo, hi = min(0.0, float(x.min())), max(0.0, float(x.max()))
-    scale = np.float32((hi - lo) / 255.0)
-    zp = np.uint8(np.clip(np.rint(np.float32(-lo) / scale), 0, 255))
-    q = np.clip(np.rint(x / scale) + zp, 0, 255).astype(np.uint8)
-    return q, scale, zp
+def _symmetric_int8(x: np.ndarray):
+    """q8's activation quantization written out element by element (docs/bundle.md): per tensor,
+    symmetric, no zero point; the scale never 0; ONNX Round = round half to even."""
+    amax = 0.0
+    for v in x.reshape(-1):
+        amax = max(amax, abs(float(v)))
+    scale = max(np.float32(amax) / np.float32(127), np.finfo(np.float32).tiny)
+    q = np.empty(x.shape, np.int64)
+    for idx, v in np.ndenumerate(x):
+        r = float(np.float32(v) / scale)                     # Div in float32, as the graph
+        f = math.floor(r)
+        r = f + 1 if (r - f > 0.5 or (r - f == 0.5 and f % 2)) else f
+        q[idx] = min(127, max(-127, r))
+    return q, np.float32(scale)
 
 
 @pytest.mark.parametrize("K", [64, 48])
@@ -136,22 +143,58 @@ def test_q4_linear_on_onnxruntime(K):
     np.testing.assert_allclose(y, want, rtol=1e-5, atol=1e-5)
 
 
+def _q8_structure(m: onnx.ModelProto):
+    """Asserts the q8 pattern: int8 x int8 MatMulInteger with no zero points, no DynamicQuantizeLinear,
+    opset 17 default domain only. Returns the op-type list."""
+    inits = {i.name: i for i in m.graph.initializer}
+    ops = [n.op_type for n in m.graph.node]
+    assert "DynamicQuantizeLinear" not in ops and "MatMulNBits" not in ops
+    assert [(o.domain, o.version) for o in m.opset_import] == [("", 17)]
+    casts_to_int8 = {n.output[0] for n in m.graph.node if n.op_type == "Cast"
+                     and helper.get_attribute_value(n.attribute[0]) == TensorProto.INT8}
+    for n in m.graph.node:
+        if n.op_type == "MatMulInteger":
+            assert len(n.input) == 2, f"{n.name}: zero-point inputs {list(n.input[2:])}"
+            assert n.input[0] in casts_to_int8, n.name
+            assert inits[n.input[1]].data_type == TensorProto.INT8
+        if n.op_type == "ReduceMax":
+            attrs = {a.name: helper.get_attribute_value(a) for a in n.attribute}
+            assert attrs == {"keepdims": 0} and len(n.input) == 1          # per tensor: every axis, rank 0
+    return ops
+
+
 def test_q8_linear_on_onnxruntime():
     rng = np.random.default_rng(2)
     w = (rng.standard_normal((24, 64)) / 8).astype(np.float32)
-    m = _linear_model("q8", w, twice=True)
-    ops = [n.op_type for n in m.graph.node]
-    assert ops.count("DynamicQuantizeLinear") == 1 and ops.count("MatMulInteger") == 2   # shared input
-    assert all(o.domain == "" for o in m.opset_import)
+    bias = rng.standard_normal(24).astype(np.float32)
+    m = _linear_model("q8", w, bias, twice=True)
+    ops = _q8_structure(m)
+    assert ops.count("MatMulInteger") == 2 and ops.count("ReduceMax") == 1 and ops.count("Round") == 1   # shared input
+    sess = ort.InferenceSession(m.SerializeToString(), providers=["CPUExecutionProvider"])
+    # onnxruntime fuses the pattern (MatMulIntegerToFloat, bias included); the unfused graph is the spec
+    so = ort.SessionOptions()
+    so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
+    plain = ort.InferenceSession(m.SerializeToString(), so, providers=["CPUExecutionProvider"])
     x = rng.standard_normal((1, 5, 64)).astype(np.float32)
-    y = ort.InferenceSession(m.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, {"x": x})[0]
-    xq, xs, xzp = _dynamic_quantize_linear(x)
-    want = 0
-    for ww in (w, w * 0.5):
-        wq, s = quant.quantize_q8(ww)
-        acc = (xq.astype(np.int64) - int(xzp)) @ wq.astype(np.int64)              # MatMulInteger
-        want = want + acc.astype(np.float64) * (np.float64(xs) * s.astype(np.float64))
-    np.testing.assert_allclose(y, want, rtol=1e-5, atol=1e-5)
+    x[0, 2, 7] = 4.0                                   # one outlier sets the per-tensor scale
+    x[0, 3, :4] = np.float32(4.0 / 127) * np.array([0.5, 1.5, 2.5, -0.5], np.float32)   # ties (half to even)
+    for xx in (x, np.zeros_like(x), x[:, :1] * 1e-3):
+        y = sess.run(None, {"x": xx})[0]
+        xq, xs = _symmetric_int8(xx)
+        want = bias.astype(np.float64)
+        for ww in (w, w * 0.5):
+            wq, s = quant.quantize_q8(ww)
+            acc = xq @ wq.astype(np.int64)                                          # MatMulInteger
+            want = want + acc.astype(np.float64) * (np.float64(xs) * s.astype(np.float64))
+        assert np.all(np.isfinite(y))
+        np.testing.assert_allclose(y, want, rtol=1e-5, atol=1e-5)
+        np.testing.assert_allclose(plain.run(None, {"x": xx})[0], want, rtol=1e-5, atol=1e-5)
+        # the reference formula in quant.py agrees code for code
+        rq, rs = quant.quantize_activation_q8(xx)
+        np.testing.assert_array_equal(rq, xq)
+        assert rs == xs
+    # an all-zero input gives the bias exactly (no NaN from 0 / 0)
+    np.testing.assert_array_equal(sess.run(None, {"x": np.zeros_like(x)})[0], np.broadcast_to(bias, (1, 5, 24)))
 
 
 # --------------------------------------------------------------------------- bundles
@@ -221,13 +264,10 @@ def test_quantized_graph_ops(qbundle):
                     assert inits[n.input[1]].data_type == TensorProto.UINT8
                     assert inits[n.input[2]].data_type == TensorProto.FLOAT
         else:
-            assert ops.count("MatMulInteger") == n_lin
-            # one DynamicQuantizeLinear per distinct input: q/k/v share one, gate/up share one
-            assert ops.count("DynamicQuantizeLinear") == 4 * lm.layers + (1 if which == "talker" else 0)
-            assert all(o.domain == "" for o in m.opset_import)
-            for n in m.graph.node:
-                if n.op_type == "MatMulInteger":
-                    assert inits[n.input[1]].data_type == TensorProto.INT8 and len(n.input) == 3
+            assert _q8_structure(m) == ops and ops.count("MatMulInteger") == n_lin
+            # one activation quantization per distinct input: q/k/v share one, gate/up share one
+            n_act = 4 * lm.layers + (1 if which == "talker" else 0)
+            assert ops.count("Round") == n_act and ops.count("ReduceMax") == n_act
         if which == "code_predictor":
             heads = [n for n in m.graph.node if n.op_type == "Gather" and n.input[0] == "lm_heads"]
             assert len(heads) == 1 and inits["lm_heads"].data_type == TensorProto.FLOAT
