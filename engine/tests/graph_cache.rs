@@ -79,6 +79,15 @@ fn a_cached_bundle_opens_from_the_cache_and_speaks_the_same() {
         assert_eq!(speak(&third), want, "{name}: after a corrupt entry");
         let fourth = Bundle::open(&bundle, &Tract).unwrap();
         assert!(fourth.graphs.load_times().from_cache, "{name}: the corrupt entry was rewritten");
+
+        // IO names that differ from the manifest's (two inputs swapped): never used as they are
+        let io = talker.join("io.txt");
+        let text = std::fs::read_to_string(&io).unwrap();
+        std::fs::write(&io, text.replacen("k_cache_0\tv_cache_0", "v_cache_0\tk_cache_0", 1)).unwrap();
+        assert_ne!(std::fs::read_to_string(&io).unwrap(), text, "{name}: the test swapped two names");
+        let fifth = Arc::new(Bundle::open(&bundle, &Tract).unwrap());
+        assert!(!fifth.graphs.load_times().from_cache, "{name}: an entry with other IO names is not used");
+        assert_eq!(speak(&fifth), want, "{name}: after swapped IO names");
     }
 
     // a cache directory that cannot be created (a file stands in its way): the bundle still opens

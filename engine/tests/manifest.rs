@@ -124,4 +124,14 @@ fn quantized_weights_need_their_quantization_table() {
     let bad = text.replace("weights = \"q4\"", "weights = \"q3\"");
     let e = parse(&bad).unwrap_err().to_string();
     assert!(e.contains("q3") && e.contains("\"q4\""), "{e}");
+    // a step graph whose weight format contradicts the model's
+    let talker = text.find("[graphs.talker]").unwrap();
+    let at = talker + text[talker..].find("weights = \"q4\"").unwrap();
+    let bad = format!("{}weights = \"fp16\"{}", &text[..at], &text[at + "weights = \"q4\"".len()..]);
+    let e = parse(&bad).unwrap_err().to_string();
+    assert!(e.contains("graphs.talker.weights") && e.contains("fp16"), "{e}");
+    // q4 is blocks of 32
+    let bad = text.replace("block_size = 32", "block_size = 0");
+    let e = parse(&bad).unwrap_err().to_string();
+    assert!(e.contains("block_size = 0") && e.contains("32"), "{e}");
 }

@@ -516,26 +516,41 @@ impl Manifest {
         if self.model.dtype.parse::<Dtype>().is_err() {
             return Err(format!("model.dtype {:?} must be \"fp32\" or \"fp16\"", self.model.dtype));
         }
-        if let Some(w) = &self.model.weights {
-            let w: WeightFormat = w.parse().map_err(|e| format!("model.weights {e}"))?;
-            if w.is_quantized() != self.quantization.is_some() {
-                return Err(format!(
-                    "model.weights = {w:?} {} a [quantization] table",
-                    if w.is_quantized() { "needs" } else { "must not have" }
-                ));
-            }
+        let weights = match &self.model.weights {
+            Some(w) => w.parse::<WeightFormat>().map_err(|e| format!("model.weights {e}"))?,
+            None => self.dtype().into(),
+        };
+        if weights.is_quantized() != self.quantization.is_some() {
+            return Err(if weights.is_quantized() {
+                format!("model.weights = \"{weights}\" needs a [quantization] table")
+            } else {
+                format!("a [quantization] table needs model.weights = \"q8\" or \"q4\" (it is \"{weights}\")")
+            });
         }
         for (name, g) in &self.graphs {
             if let Some(w) = &g.weights {
-                w.parse::<WeightFormat>().map_err(|e| format!("graphs.{name}.weights {e}"))?;
+                let w = w.parse::<WeightFormat>().map_err(|e| format!("graphs.{name}.weights {e}"))?;
+                // the step graphs carry the model's weight format; the vocoder graphs stay float
+                let step = name == &self.talker.graph || name == &self.code_predictor.graph;
+                let want = if step { weights } else { self.dtype().into() };
+                if w != want {
+                    return Err(format!(
+                        "graphs.{name}.weights = \"{w}\" contradicts model.weights = \"{weights}\" (expected \"{want}\")"
+                    ));
+                }
             }
         }
         if let Some(q) = &self.quantization {
             if q.format.parse::<WeightFormat>().map(WeightFormat::is_quantized) != Ok(true) {
                 return Err(format!("quantization.format {:?} must be \"q8\" or \"q4\"", q.format));
             }
-            if self.model.weights.as_deref() != Some(q.format.as_str()) {
-                return Err(format!("quantization.format {:?} differs from model.weights {:?}", q.format, self.model.weights));
+            if q.format != weights.as_str() {
+                return Err(format!("quantization.format = {:?} differs from model.weights = \"{weights}\"", q.format));
+            }
+            // q4 is Q4_0: blocks of 32 (docs/bundle.md); q8 has one scale per output channel
+            let block = if weights == WeightFormat::Q4 { 32 } else { 0 };
+            if q.block_size != block {
+                return Err(format!("quantization.block_size = {} must be {block} for {weights}", q.block_size));
             }
         }
         let a = &self.audio;

@@ -45,7 +45,7 @@ fn print_info(dir: &Path, m: &engine::Manifest) -> std::io::Result<()> {
         writeln!(o, "quantized   {}: {}; float: {}", q.format, q.scheme, q.float_weights.join(", "))?;
         writeln!(
             o,
-            "fidelity    gate {} at export: talker logits SNR {:.1} dB, top-1 {:.1} %; predictor {:.1} dB, {:.1} % ({} positions); greedy codes agree for >= {} of {} frames on {} texts",
+            "fidelity    gate {} at export against float32: talker logits SNR {:.1} dB, top-1 {:.1} %; predictor {:.1} dB, {:.1} % ({} teacher-forced positions); free-running greedy codes first differ after {} frames (fewest over {} texts of {} frames)",
             if g.passed { "passed" } else { "FAILED (exported with --allow-lossy)" },
             g.talker_logits_snr_db,
             100.0 * g.talker_top1,
@@ -53,8 +53,8 @@ fn print_info(dir: &Path, m: &engine::Manifest) -> std::io::Result<()> {
             100.0 * g.code_predictor_top1,
             g.positions,
             g.free_running_agree_min,
-            g.free_running_frames,
-            g.free_running_texts
+            g.free_running_texts,
+            g.free_running_frames
         )?;
     }
     writeln!(

@@ -17,7 +17,9 @@
 //! found; a corrupt one (it fails to load, or its IO differs from the manifest's) is removed
 //! with a warning and rebuilt from the ONNX file. Entries are written to a temporary directory
 //! beside their final name and renamed into place, so a reader never sees half an entry and
-//! two processes starting together both succeed.
+//! two processes starting together both succeed. Entries carry no checksum of their contents
+//! (hashing every weight on each start would cost what the cache saves): like the bundle
+//! itself, the cache directory is trusted local state; deleting it is always safe.
 
 use std::collections::hash_map::DefaultHasher;
 use std::hash::{Hash, Hasher};
@@ -27,6 +29,8 @@ use std::sync::RwLock;
 
 use tract_nnef::internal::*;
 use tract_onnx::WithOnnx;
+
+use model::manifest::GraphInfo;
 
 use crate::snake::Snake;
 
@@ -88,12 +92,16 @@ pub(crate) struct Entry {
     slot: String,
 }
 
-/// The entry for graph `name` (file `file` in the bundle `bundle`, manifest checksum
-/// `sha256`), plan `frames` (`None`: symbolic), when a cache directory is set.
-pub(crate) fn entry(bundle: &Path, name: &str, file: &str, sha256: &str, frames: Option<usize>) -> Option<Entry> {
+/// The entry for graph `name` (`info`: its file, checksum and IO in the bundle's manifest) of
+/// the bundle `bundle`, plan `frames` (`None`: symbolic), when a cache directory is set.
+pub(crate) fn entry(bundle: &Path, name: &str, info: &GraphInfo, frames: Option<usize>) -> Option<Entry> {
     let root = graph_cache_dir()?;
+    let file = info.file.as_str();
     let mut h = DefaultHasher::new();
-    (CACHE_FORMAT, env!("CARGO_PKG_VERSION"), TRACT_VERSION, name, sha256, frames).hash(&mut h);
+    (CACHE_FORMAT, env!("CARGO_PKG_VERSION"), TRACT_VERSION, name, &info.sha256, frames).hash(&mut h);
+    // the IO the manifest declares (names, dtypes, shapes): the ONNX path checks the file
+    // against it, so an edited manifest must miss the cache and meet that check
+    format!("{:?} {:?}", info.inputs, info.outputs).hash(&mut h);
     let stamp = |p: &Path, h: &mut DefaultHasher| match std::fs::metadata(p) {
         Ok(md) => (true, md.len(), md.modified().ok()).hash(h),
         Err(_) => false.hash(h),
@@ -117,11 +125,11 @@ pub(crate) fn entry(bundle: &Path, name: &str, file: &str, sha256: &str, frames:
 impl Entry {
     /// The cached decluttered model and its ONNX IO names, or `None` when there is no entry.
     /// A corrupt entry is removed (with a warning) and reads as `None`.
-    pub(crate) fn read(&self, inputs: usize, outputs: usize) -> Option<(TypedModel, Vec<String>, Vec<String>)> {
+    pub(crate) fn read(&self, info: &GraphInfo) -> Option<(TypedModel, Vec<String>, Vec<String>)> {
         if !self.dir.is_dir() {
             return None;
         }
-        match self.try_read(inputs, outputs) {
+        match self.try_read(info) {
             Ok(v) => Some(v),
             Err(e) => {
                 log::warn!("graph cache {}: unusable, rebuilding it from the ONNX file: {e:#}", self.dir.display());
@@ -131,8 +139,9 @@ impl Entry {
         }
     }
 
-    fn try_read(&self, inputs: usize, outputs: usize) -> TractResult<(TypedModel, Vec<String>, Vec<String>)> {
-        let io = std::fs::read_to_string(self.dir.join("io.txt"))?;
+    fn try_read(&self, info: &GraphInfo) -> TractResult<(TypedModel, Vec<String>, Vec<String>)> {
+        let io_path = self.dir.join("io.txt");
+        let io = std::fs::read_to_string(&io_path).with_context(|| format!("reading {}", io_path.display()))?;
         let mut lines = io.lines();
         let mut names = |what: &str| -> TractResult<Vec<String>> {
             let l = lines.next().with_context(|| format!("io.txt has no {what} line"))?;
@@ -140,12 +149,27 @@ impl Entry {
             Ok(if l.is_empty() { vec![] } else { l.split('\t').map(str::to_owned).collect() })
         };
         let (ins, outs) = (names("inputs")?, names("outputs")?);
-        let model = nnef().model_for_path(self.dir.join("model"))?.into_decluttered()?;
+        // the names in plan order must be the manifest's, in its order (the ONNX path checked
+        // the file against them when it wrote the entry)
+        let want = |specs: &[model::manifest::TensorSpec]| specs.iter().map(|s| s.name.clone()).collect::<Vec<_>>();
         ensure!(
-            ins.len() == inputs && outs.len() == outputs && model.inputs.len() == inputs && model.outputs.len() == outputs,
-            "{} inputs and {} outputs, the manifest declares {inputs} and {outputs}",
+            ins == want(&info.inputs) && outs == want(&info.outputs),
+            "io.txt names inputs {ins:?} and outputs {outs:?}, the manifest declares {:?} and {:?}",
+            want(&info.inputs),
+            want(&info.outputs)
+        );
+        let model_dir = self.dir.join("model");
+        let model = nnef()
+            .model_for_path(&model_dir)
+            .and_then(|m| m.into_decluttered())
+            .with_context(|| format!("loading {}", model_dir.display()))?;
+        ensure!(
+            model.inputs.len() == ins.len() && model.outputs.len() == outs.len(),
+            "the cached model has {} inputs and {} outputs, the manifest declares {} and {}",
             model.inputs.len(),
-            model.outputs.len()
+            model.outputs.len(),
+            ins.len(),
+            outs.len()
         );
         Ok((model, ins, outs))
     }
@@ -157,10 +181,14 @@ impl Entry {
             // an op tract cannot write to NNEF is a fact of the graph, not a fault to repeat
             // as a warning on every start
             let msg = format!("{e:#}");
+            // one warning per start is enough for a directory that cannot be written
+            static WARNED: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
             if msg.contains("No serializer found") {
                 log::info!("graph cache {}: this graph cannot be cached ({msg}); it is parsed on every start", self.dir.display());
+            } else if !WARNED.swap(true, std::sync::atomic::Ordering::Relaxed) {
+                log::warn!("graph cache {}: not written ({msg}); the next start parses the ONNX files again", self.dir.display());
             } else {
-                log::warn!("graph cache {}: not written ({msg}); the next start parses the ONNX file again", self.dir.display());
+                log::debug!("graph cache {}: not written ({msg})", self.dir.display());
             }
         }
     }
@@ -179,6 +207,10 @@ impl Entry {
         io.sync_all()?;
         drop(io);
         let tmp = tmp.keep();
+        // something that is not an entry directory in the way (a stray file): replace it
+        if self.dir.exists() && !self.dir.is_dir() {
+            std::fs::remove_file(&self.dir).with_context(|| format!("removing {}", self.dir.display()))?;
+        }
         if let Err(e) = std::fs::rename(&tmp, &self.dir) {
             let _ = std::fs::remove_dir_all(&tmp);
             // another process wrote the same entry first: theirs is as good as ours
@@ -198,7 +230,17 @@ impl Entry {
         let Ok(list) = std::fs::read_dir(root) else { return };
         for e in list.flatten() {
             let dir = e.path();
-            if dir == self.dir || !dir.is_dir() || e.file_name().to_string_lossy().starts_with('.') {
+            if dir == self.dir || !dir.is_dir() {
+                continue;
+            }
+            // a temporary entry is renamed within seconds; one an hour old was left by a
+            // process that was killed while writing
+            if e.file_name().to_string_lossy().starts_with('.') {
+                let old = e.metadata().and_then(|m| m.modified()).ok().and_then(|t| t.elapsed().ok());
+                if old.is_some_and(|age| age > std::time::Duration::from_secs(3600)) {
+                    log::debug!("graph cache {}: removed (left by an interrupted write)", dir.display());
+                    let _ = std::fs::remove_dir_all(&dir);
+                }
                 continue;
             }
             let Ok(io) = std::fs::read_to_string(dir.join("io.txt")) else { continue };

@@ -113,13 +113,12 @@ type Decluttered = (TypedModel, Vec<String>, Vec<String>, f64, bool);
 pub(crate) fn load_plans(dir: &Path, name: &str, info: &GraphInfo, frames: &[Option<usize>]) -> Result<Vec<Graph>, GraphError> {
     let path = dir.join(&info.file);
     let tract_err = |e: TractError| GraphError::Runtime { path: path.clone(), backend: "tract", message: format!("{e:#}") };
-    let entries: Vec<Option<crate::cache::Entry>> =
-        frames.iter().map(|f| crate::cache::entry(dir, name, &info.file, &info.sha256, *f)).collect();
+    let entries: Vec<Option<crate::cache::Entry>> = frames.iter().map(|f| crate::cache::entry(dir, name, info, *f)).collect();
     // every plan from the cache when it has them all; else the ONNX file is parsed once
     let mut decluttered: Vec<Decluttered> = Vec::with_capacity(frames.len());
     for e in &entries {
         let t = Instant::now();
-        match e.as_ref().and_then(|e| e.read(info.inputs.len(), info.outputs.len())) {
+        match e.as_ref().and_then(|e| e.read(info)) {
             Some((m, i, o)) => decluttered.push((m, i, o, t.elapsed().as_secs_f64(), true)),
             None => {
                 decluttered.clear();
