@@ -291,12 +291,12 @@ settings! {
         /// that file's directory.
         calibration_dir: PathBuf = PathBuf::from(DEFAULT_CALIBRATION_DIR), FsPath("a directory");
         /// Where the tract backend keeps each graph it has parsed, decluttered and stored as
-        /// NNEF (one entry per graph and bundle), so that the next start skips reading the
-        /// ONNX files: a 0.6B bundle then opens in about the time tract needs to optimize it
-        /// ([performance.md](performance.md#fast-start)). Entries are keyed by the graph file,
-        /// the manifest checksum and the herald build, so a stale entry is never used; a corrupt
-        /// one is rebuilt with one warning; an unwritable directory costs the speed-up, never
-        /// the start. Created on first use.
+        /// NNEF (one entry per graph and bundle), so that the next start skips reading and
+        /// decluttering the ONNX files ([performance.md](performance.md#fast-start) measures
+        /// what that saves). Entries are keyed by the graph file, the manifest's checksum and
+        /// IO, and the herald build, so a stale entry is never used; a corrupt one is rebuilt
+        /// with one warning; an unwritable directory costs the speed-up (one warning), never
+        /// the start. Created on first use; deleting it is always safe.
         graph_cache_dir: PathBuf = PathBuf::from(DEFAULT_GRAPH_CACHE_DIR), FsPath("a directory");
         /// MiB of freed memory the decode stage and the vocoder stage may each keep for reuse
         /// (their frame pools, [engine.md](engine.md#allocations)): tract asks for thousands of
