@@ -139,8 +139,15 @@ fn cases() -> Vec<Case> {
                 vocoder: VocoderForm::Stateful,
             });
         }
-        let base = v.last().unwrap().clone();
-        v.push(Case { id: format!("{preset}-seeded"), text: "Seeded sampling, same draws.".into(), seed: Some(1234), ..base });
+        // Sampled only for q4, whose weights dequantize to the same float32 values in both
+        // runtimes. q8 quantizes activations at run time (round(x / s)): where x / s lands
+        // within float rounding of a half, tract and onnxruntime may pick neighbouring int8
+        // codes, which moves the logits by ~1e-3; greedy decoding does not notice, a sampled
+        // draw near a cumulative-probability boundary can (measured: frame 17 of this case).
+        if preset.ends_with("q4") {
+            let base = v.last().unwrap().clone();
+            v.push(Case { id: format!("{preset}-seeded"), text: "Seeded sampling, same draws.".into(), seed: Some(1234), ..base });
+        }
     }
     v
 }
