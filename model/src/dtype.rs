@@ -66,8 +66,9 @@ pub enum WeightFormat {
     Fp32,
     /// IEEE float16, 2 bytes per weight.
     Fp16,
-    /// int8 per output channel (symmetric, one float32 scale per channel) with dynamically
-    /// quantized uint8 activations: ONNX `DynamicQuantizeLinear` + `MatMulInteger`.
+    /// int8 per output channel (symmetric, one float32 scale per channel) with activations
+    /// quantized at run time to int8, symmetric per tensor (absmax / 127, no zero points):
+    /// ONNX `MatMulInteger` int8 × int8.
     Q8,
     /// 4-bit blocks of 32 weights with one float16-exact scale each (symmetric, code − 8):
     /// `com.microsoft.MatMulNBits` `bits = 4, block_size = 32`, 0.625 bytes per weight (the
