@@ -67,9 +67,29 @@ struct Case {
     vocoder: VocoderForm,
 }
 
+/// One of the texts, greedy, 20 frames, through the stateful vocoder on the bundle's ramp.
+type Text = (&'static str, String, Option<&'static str>, Option<&'static str>, PromptMode);
+
+fn text_case(preset: &'static str, (name, text, language, speaker, mode): &Text) -> Case {
+    Case {
+        id: format!("{preset}-{name}"),
+        preset,
+        text: text.clone(),
+        language: *language,
+        speaker: *speaker,
+        mode: *mode,
+        seed: None,
+        max_frames: 20,
+        force_eos_at: None,
+        ramp: None,
+        left_context: None,
+        vocoder: VocoderForm::Stateful,
+    }
+}
+
 fn cases() -> Vec<Case> {
     let long: String = "The quick brown fox jumps over the lazy dog; 敏捷的狐狸跳过了懒狗。 ".chars().cycle().take(2000).collect();
-    let texts: Vec<(&str, String, Option<&'static str>, Option<&'static str>, PromptMode)> = vec![
+    let texts: Vec<Text> = vec![
         ("en", "Hello from herald, the speaking appliance.".into(), Some("english"), Some("serena"), PromptMode::Streaming),
         ("zh", "你好，世界。今天天气很好。".into(), Some("chinese"), Some("eric"), PromptMode::NonStreaming),
         ("mixed", "Mixed 文字 and かな, ok?".into(), None, None, PromptMode::Streaming),
@@ -81,21 +101,8 @@ fn cases() -> Vec<Case> {
     ];
     let mut v = Vec::new();
     for preset in common::PRESETS {
-        for (name, text, language, speaker, mode) in &texts {
-            v.push(Case {
-                id: format!("{preset}-{name}"),
-                preset,
-                text: text.clone(),
-                language: *language,
-                speaker: *speaker,
-                mode: *mode,
-                seed: None,
-                max_frames: 20,
-                force_eos_at: None,
-                ramp: None,
-                left_context: None,
-                vocoder: VocoderForm::Stateful,
-            });
+        for t in &texts {
+            v.push(text_case(preset, t));
         }
         let base = v.last().unwrap().clone();
         v.push(Case {
@@ -123,21 +130,8 @@ fn cases() -> Vec<Case> {
     // quantized weights (MatMulNBits q4, MatMulInteger q8): tract's quantized kernels against
     // onnxruntime's on the same graphs, greedy and sampled
     for preset in common::QUANTIZED {
-        for (name, text, language, speaker, mode) in &texts[..3] {
-            v.push(Case {
-                id: format!("{preset}-{name}"),
-                preset,
-                text: text.clone(),
-                language: *language,
-                speaker: *speaker,
-                mode: *mode,
-                seed: None,
-                max_frames: 20,
-                force_eos_at: None,
-                ramp: None,
-                left_context: None,
-                vocoder: VocoderForm::Stateful,
-            });
+        for t in &texts[..3] {
+            v.push(text_case(preset, t));
         }
         // Sampled only for q4, whose weights dequantize to the same float32 values in both
         // runtimes. q8 quantizes activations at run time (round(x / s)): where x / s lands
