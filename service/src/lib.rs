@@ -18,12 +18,18 @@
 
 pub mod cancel;
 pub mod fifo;
+pub mod front;
+pub mod http;
+pub mod listen;
 pub mod notify;
 pub mod output;
 pub mod queue;
 pub mod speaker;
+pub mod wyoming;
+pub mod zeroconf;
 
 pub use cancel::{Cancel, Stop};
+pub use front::{Front, FrontSettings, RequestError, Slot, VoiceInfo};
 pub use output::{AtomicFile, OutputSettings, Target, write_atomic};
 pub use queue::{JobHandle, Outcome, Perform, Queue, Refused};
 pub use speaker::{

@@ -1,0 +1,1038 @@
+//! The Wyoming TTS server (`herald serve`, `serve.wyoming`): what Home Assistant's Wyoming
+//! integration and the PyPI `wyoming` client speak.
+//!
+//! Framing (OHF-Voice/wyoming `event.py`): one JSON header line `{"type", "data"?,
+//! "data_length"?, "payload_length"?, "version"?}` and a newline, then `data_length` bytes of
+//! JSON merged into `data`, then `payload_length` bytes of binary payload. Events handled:
+//!
+//! - `describe` → `info` with one `tts` program, its voices the bundle's speakers (languages as
+//!   ISO 639-1 codes, [`crate::front::LANGUAGE_CODES`]) and `supports_synthesize_streaming`;
+//! - `synthesize` {text, voice?{name, language, speaker}} → `audio-start` {rate 24000, width 2,
+//!   channels 1}, `audio-chunk`s (S16LE, as the engine produces them, at most
+//!   [`CHUNK_SAMPLES`] samples each), `audio-stop`; the whole text is one job, so the PCM
+//!   equals `herald speak --raw` of the same text, voice and seed;
+//! - streaming: `synthesize-start` {voice?}, `synthesize-chunk` {text}…, the compatibility
+//!   `synthesize` (ignored inside a stream), `synthesize-stop` → for each completed sentence
+//!   ([`split_sentences`]) `audio-start`/`audio-chunk`s/`audio-stop`, then
+//!   `synthesize-stopped`;
+//! - `ping` → `pong`; any other type is ignored (the protocol's rule for unknown events).
+//!
+//! A request that cannot be spoken (bad text, unknown voice or language, queue full) gets an
+//! `error` event {text, code} and the connection stays usable. A framing error (a header line
+//! over [`MAX_HEADER_BYTES`], data or payload over their limits, malformed JSON, an event that
+//! does not arrive within `request_timeout` once it started) gets an `error` event and the
+//! connection is closed: the stream cannot be trusted after it. A client that goes away while
+//! its audio is being made cancels its job within a frame (the socket is watched while the job
+//! runs; a failing write ends it too), and the next job starts cleanly.
+
+use std::io::{self, ErrorKind, Read, Write};
+use std::net::{Shutdown, SocketAddr, TcpListener, TcpStream};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+
+use nix::poll::{PollFd, PollFlags};
+use serde_json::{Map, Value, json};
+
+use crate::front::{Front, RequestError, Slot, language_code};
+use crate::queue::Refused;
+use crate::speaker::JobError;
+
+/// The longest header line accepted, bytes (a `synthesize` of the longest text fits: the text
+/// normally travels in the data part, which has its own limit).
+pub const MAX_HEADER_BYTES: usize = 1 << 20;
+/// The most bytes of JSON data an event may carry (`data_length`): 4 bytes for each of
+/// 100 000 characters of text, and room for the rest.
+pub const MAX_DATA_BYTES: usize = 1 << 20;
+/// The largest binary payload accepted (`payload_length`); herald's TTS server takes none
+/// (audio from clients is for the `snd` service, which it does not offer), so it is read and
+/// dropped up to this size.
+pub const MAX_PAYLOAD_BYTES: usize = 1 << 20;
+/// Samples per `audio-chunk` at most (wyoming-piper sends 1024).
+pub const CHUNK_SAMPLES: usize = 1024;
+/// How often the accept loop and a waiting connection look at the stop and the client.
+const POLL: Duration = Duration::from_millis(50);
+/// The wire version written into every header (the `wyoming` package's version this server
+/// was tested against).
+pub const PROTOCOL_VERSION: &str = "1.10.2";
+
+/// The settings of the Wyoming server (`[serve]`).
+#[derive(Debug, Clone)]
+pub struct WyomingSettings {
+    /// The most connections served at once; one more is told `busy` and closed.
+    pub max_connections: usize,
+    /// An event must arrive in full within this much time of its first byte (slow clients).
+    pub request_timeout: Duration,
+    /// A connection that sends nothing for this long is closed.
+    pub idle_timeout: Duration,
+}
+
+/// The running server: an accept thread and one thread per connection.
+#[derive(Debug)]
+pub struct WyomingServer {
+    addr: SocketAddr,
+    shutdown: Arc<AtomicBool>,
+    thread: Option<JoinHandle<()>>,
+    conns: Conns,
+}
+
+impl WyomingServer {
+    /// Serve on `listener` (bound already; it may come from systemd's socket activation) until
+    /// [`shutdown`](Self::shutdown) or the process-wide stop.
+    ///
+    /// # Errors
+    /// The listener cannot be made non-blocking or the thread cannot be started.
+    pub fn start(listener: TcpListener, slot: Slot, settings: WyomingSettings) -> io::Result<WyomingServer> {
+        listener.set_nonblocking(true)?;
+        let addr = listener.local_addr()?;
+        let shutdown = Arc::new(AtomicBool::new(false));
+        let conns = Conns::default();
+        let thread = {
+            let (shutdown, conns) = (Arc::clone(&shutdown), conns.clone());
+            std::thread::Builder::new()
+                .name("herald-wyoming".into())
+                .spawn(move || accept_loop(&listener, &slot, &settings, &shutdown, &conns))?
+        };
+        log::info!("wyoming: listening on tcp://{addr}");
+        Ok(WyomingServer { addr, shutdown, thread: Some(thread), conns })
+    }
+
+    /// The address it listens on.
+    pub fn local_addr(&self) -> SocketAddr {
+        self.addr
+    }
+
+    /// Stop accepting and close the idle connections at once (those waiting for their next
+    /// event); connections with a job or a stream in progress go on (a job cut by the stop
+    /// ends its stream with `audio-stop`). Returns at once; [`finish`](Self::finish) waits.
+    pub fn begin_shutdown(&mut self) {
+        self.shutdown.store(true, Ordering::SeqCst);
+        if let Some(t) = self.thread.take()
+            && t.join().is_err()
+        {
+            log::error!("wyoming: the accept thread panicked");
+        }
+        self.conns.close(|c| !c.busy.load(Ordering::SeqCst));
+    }
+
+    /// Wait until `deadline` for the busy connections to end, then close what is left.
+    pub fn finish(mut self, deadline: Instant) {
+        self.begin_shutdown();
+        while self.conns.len() > 0 && Instant::now() < deadline {
+            std::thread::sleep(Duration::from_millis(10));
+        }
+        self.conns.close(|_| true);
+    }
+
+    /// [`begin_shutdown`](Self::begin_shutdown), then [`finish`](Self::finish) within `grace`.
+    pub fn shutdown(self, grace: Duration) {
+        self.finish(Instant::now() + grace);
+    }
+}
+
+impl Drop for WyomingServer {
+    fn drop(&mut self) {
+        self.shutdown.store(true, Ordering::SeqCst);
+        if let Some(t) = self.thread.take() {
+            let _ = t.join();
+        }
+    }
+}
+
+/// One open connection, as the accept loop and the shutdown see it.
+#[derive(Debug)]
+struct ConnEntry {
+    id: u64,
+    /// A handle on the socket, to close it from outside its thread.
+    stream: TcpStream,
+    /// A job or a stream is in progress (not evicted, and given the grace at shutdown).
+    busy: Arc<AtomicBool>,
+    /// When it last finished an event.
+    idle_since: Arc<Mutex<Instant>>,
+}
+
+/// The open connections.
+#[derive(Debug, Clone, Default)]
+struct Conns(Arc<Mutex<Vec<ConnEntry>>>, Arc<AtomicU64>);
+
+impl Conns {
+    fn lock(&self) -> MutexGuard<'_, Vec<ConnEntry>> {
+        self.0.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    fn len(&self) -> usize {
+        self.lock().len()
+    }
+
+    /// Register a connection; it is removed when the guard drops.
+    fn add(&self, stream: &TcpStream) -> io::Result<(ConnGuard, Arc<AtomicBool>, Arc<Mutex<Instant>>)> {
+        let id = self.1.fetch_add(1, Ordering::SeqCst);
+        let busy = Arc::new(AtomicBool::new(false));
+        let idle_since = Arc::new(Mutex::new(Instant::now()));
+        let entry = ConnEntry { id, stream: stream.try_clone()?, busy: Arc::clone(&busy), idle_since: Arc::clone(&idle_since) };
+        self.lock().push(entry);
+        Ok((ConnGuard { conns: self.clone(), id }, busy, idle_since))
+    }
+
+    /// Close (shut down both ways) every connection for which `which` holds; its thread then
+    /// sees the end of stream and ends.
+    fn close(&self, which: impl Fn(&ConnEntry) -> bool) {
+        for c in self.lock().iter().filter(|c| which(c)) {
+            let _ = c.stream.shutdown(Shutdown::Both);
+        }
+    }
+
+    /// Close the connection that has waited longest for its next event, if one is idle.
+    fn evict_idle(&self) -> bool {
+        let list = self.lock();
+        let oldest = list
+            .iter()
+            .filter(|c| !c.busy.load(Ordering::SeqCst))
+            .min_by_key(|c| *c.idle_since.lock().unwrap_or_else(|p| p.into_inner()));
+        match oldest {
+            Some(c) => {
+                let _ = c.stream.shutdown(Shutdown::Both);
+                true
+            }
+            None => false,
+        }
+    }
+}
+
+/// Removes a connection from [`Conns`] when dropped.
+struct ConnGuard {
+    conns: Conns,
+    id: u64,
+}
+
+impl Drop for ConnGuard {
+    fn drop(&mut self) {
+        self.conns.lock().retain(|c| c.id != self.id);
+    }
+}
+
+fn accept_loop(listener: &TcpListener, slot: &Slot, settings: &WyomingSettings, shutdown: &Arc<AtomicBool>, conns: &Conns) {
+    let stopped = || shutdown.load(Ordering::SeqCst) || slot.get().is_some_and(|f| f.stop_handle().is_stopped());
+    while !stopped() {
+        let ready = {
+            let mut fd = [PollFd::new(listener, PollFlags::POLLIN)];
+            nix::poll::poll(&mut fd, POLL.as_millis() as i32).unwrap_or(0)
+        };
+        if ready == 0 {
+            continue;
+        }
+        let (stream, peer) = match listener.accept() {
+            Ok(s) => s,
+            Err(e) if matches!(e.kind(), ErrorKind::WouldBlock | ErrorKind::Interrupted) => continue,
+            Err(e) => {
+                // EMFILE and friends: keep serving the open connections, try again shortly
+                log::warn!("wyoming: accept failed: {e}");
+                std::thread::sleep(Duration::from_millis(100));
+                continue;
+            }
+        };
+        // at the limit, an idle connection (waiting for its next event) makes room: idle
+        // clients cannot lock others out; only when every connection is busy is one refused
+        if conns.len() >= settings.max_connections && !conns.evict_idle() {
+            log::info!("wyoming: {peer}: refused, {} connections busy (serve.max_connections)", settings.max_connections);
+            let _ = stream.set_nonblocking(false);
+            let _ = stream.set_write_timeout(Some(Duration::from_secs(1)));
+            let mut s = &stream;
+            let _ = s.write_all(&encode(
+                "error",
+                &json!({"text": format!("busy: {} connections already busy", settings.max_connections), "code": "busy"}),
+                &[],
+            ));
+            let _ = stream.shutdown(Shutdown::Both);
+            continue;
+        }
+        let (guard, busy, idle_since) = match conns.add(&stream) {
+            Ok(g) => g,
+            Err(e) => {
+                log::warn!("wyoming: {peer}: {e}");
+                continue;
+            }
+        };
+        let (slot, settings, shutdown) = (slot.clone(), settings.clone(), Arc::clone(shutdown));
+        let spawned = std::thread::Builder::new().name("herald-wyoming-conn".into()).spawn(move || {
+            let _guard = guard;
+            log::debug!("wyoming: {peer}: connected");
+            match Connection::new(stream, &slot, &settings, &shutdown, busy, idle_since) {
+                Ok(mut c) => match c.serve() {
+                    Ok(()) => log::debug!("wyoming: {peer}: closed"),
+                    Err(e) => log::info!("wyoming: {peer}: {e}; connection closed"),
+                },
+                Err(e) => log::warn!("wyoming: {peer}: {e}"),
+            }
+        });
+        if let Err(e) = spawned {
+            log::error!("wyoming: cannot start a connection thread: {e}");
+        }
+    }
+}
+
+/// One event as read from the wire.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Event {
+    /// `type`.
+    pub kind: String,
+    /// `data`, with the `data_length` part merged in.
+    pub data: Map<String, Value>,
+    /// The payload (`payload_length` bytes; empty when none).
+    pub payload: Vec<u8>,
+}
+
+/// Why a connection is closed.
+#[derive(Debug, thiserror::Error)]
+pub enum ProtocolError {
+    /// The client closed the connection in the middle of an event.
+    #[error("the client closed the connection in the middle of an event")]
+    Truncated,
+    /// Nothing arrived for `idle_timeout`.
+    #[error("idle for {0:?} (serve.idle_timeout_s)")]
+    Idle(Duration),
+    /// An event did not arrive in full within `request_timeout`.
+    #[error("an event did not arrive in full within {0:?} (serve.request_timeout_s)")]
+    Slow(Duration),
+    /// A part of an event is over its limit.
+    #[error("{what} of {len} bytes is over the limit of {limit} bytes")]
+    TooLarge {
+        /// `header line`, `data_length` or `payload_length`.
+        what: &'static str,
+        /// What the client sent or announced (for a header line: at least this much).
+        len: u64,
+        /// The limit.
+        limit: usize,
+    },
+    /// The bytes are not a Wyoming event.
+    #[error("malformed event: {0}")]
+    Malformed(String),
+    /// Reading or writing the socket failed.
+    #[error("socket: {0}")]
+    Io(#[from] io::Error),
+}
+
+impl ProtocolError {
+    /// The `code` of the `error` event sent before closing, if the client should get one.
+    fn code(&self) -> Option<&'static str> {
+        match self {
+            ProtocolError::Slow(_) => Some("timeout"),
+            ProtocolError::TooLarge { .. } => Some("too-large"),
+            ProtocolError::Malformed(_) => Some("malformed"),
+            _ => None,
+        }
+    }
+}
+
+/// Encode one event: the header line (with `data_length` and `payload_length` when there is
+/// data or a payload), the data, the payload.
+pub fn encode(kind: &str, data: &Value, payload: &[u8]) -> Vec<u8> {
+    let data_bytes = match data {
+        Value::Object(m) if m.is_empty() => Vec::new(),
+        Value::Null => Vec::new(),
+        d => serde_json::to_vec(d).unwrap_or_default(),
+    };
+    let mut header = Map::new();
+    header.insert("type".into(), Value::from(kind));
+    header.insert("version".into(), Value::from(PROTOCOL_VERSION));
+    if !data_bytes.is_empty() {
+        header.insert("data_length".into(), Value::from(data_bytes.len()));
+    }
+    if !payload.is_empty() {
+        header.insert("payload_length".into(), Value::from(payload.len()));
+    }
+    let mut out = serde_json::to_vec(&Value::Object(header)).unwrap_or_default();
+    out.push(b'\n');
+    out.extend_from_slice(&data_bytes);
+    out.extend_from_slice(payload);
+    out
+}
+
+/// Reads events from a socket with the limits and timeouts of the module doc.
+struct EventReader {
+    stream: TcpStream,
+    buf: Vec<u8>,
+    /// Bytes of `buf` already consumed.
+    pos: usize,
+    request_timeout: Duration,
+    idle_timeout: Duration,
+}
+
+impl EventReader {
+    /// Read the next event; `Ok(None)` at a clean end of stream (between events).
+    fn next(&mut self) -> Result<Option<Event>, ProtocolError> {
+        // the header line: the first byte may take up to the idle timeout, the rest of the
+        // event up to the request timeout from there
+        let line = match self.line()? {
+            Some(l) => l,
+            None => return Ok(None),
+        };
+        let deadline = Instant::now() + self.request_timeout;
+        let header: Value =
+            serde_json::from_slice(&line).map_err(|e| ProtocolError::Malformed(format!("header line is not JSON: {e}")))?;
+        let Value::Object(mut header) = header else {
+            return Err(ProtocolError::Malformed("header line is not a JSON object".into()));
+        };
+        let kind = match header.remove("type") {
+            Some(Value::String(s)) => s,
+            _ => return Err(ProtocolError::Malformed("header has no \"type\" string".into())),
+        };
+        let mut data = match header.remove("data") {
+            None | Some(Value::Null) => Map::new(),
+            Some(Value::Object(m)) => m,
+            Some(_) => return Err(ProtocolError::Malformed(format!("{kind}: \"data\" is not an object"))),
+        };
+        let length = |name: &'static str, limit: usize| -> Result<usize, ProtocolError> {
+            match header.get(name) {
+                None | Some(Value::Null) => Ok(0),
+                Some(v) => match v.as_u64() {
+                    Some(n) if n as u128 <= limit as u128 => Ok(n as usize),
+                    Some(n) => Err(ProtocolError::TooLarge { what: name, len: n, limit }),
+                    None => Err(ProtocolError::Malformed(format!("{kind}: {name} is not a non-negative integer: {v}"))),
+                },
+            }
+        };
+        let data_length = length("data_length", MAX_DATA_BYTES)?;
+        let payload_length = length("payload_length", MAX_PAYLOAD_BYTES)?;
+        if data_length > 0 {
+            let bytes = self.exact(data_length, deadline)?;
+            let extra: Value =
+                serde_json::from_slice(&bytes).map_err(|e| ProtocolError::Malformed(format!("{kind}: data part is not JSON: {e}")))?;
+            let Value::Object(extra) = extra else {
+                return Err(ProtocolError::Malformed(format!("{kind}: data part is not a JSON object")));
+            };
+            data.extend(extra);
+        }
+        let payload = if payload_length > 0 { self.exact(payload_length, deadline)? } else { Vec::new() };
+        Ok(Some(Event { kind, data, payload }))
+    }
+
+    /// The next line without its newline; `None` at end of stream before any byte.
+    fn line(&mut self) -> Result<Option<Vec<u8>>, ProtocolError> {
+        let mut deadline: Option<Instant> = None;
+        loop {
+            if let Some(i) = self.buf[self.pos..].iter().position(|&b| b == b'\n') {
+                let line = self.buf[self.pos..self.pos + i].to_vec();
+                self.pos += i + 1;
+                return Ok(Some(line));
+            }
+            let pending = self.buf.len() - self.pos;
+            if pending > MAX_HEADER_BYTES {
+                return Err(ProtocolError::TooLarge { what: "header line", len: pending as u64, limit: MAX_HEADER_BYTES });
+            }
+            if pending > 0 && deadline.is_none() {
+                deadline = Some(Instant::now() + self.request_timeout);
+            }
+            let timeout = match deadline {
+                Some(d) => Wait::Request(d),
+                None => Wait::Idle,
+            };
+            if self.fill(timeout)? == 0 {
+                return if pending == 0 { Ok(None) } else { Err(ProtocolError::Truncated) };
+            }
+        }
+    }
+
+    /// Exactly `n` bytes, by `deadline`.
+    fn exact(&mut self, n: usize, deadline: Instant) -> Result<Vec<u8>, ProtocolError> {
+        while self.buf.len() - self.pos < n {
+            if self.fill(Wait::Request(deadline))? == 0 {
+                return Err(ProtocolError::Truncated);
+            }
+        }
+        let out = self.buf[self.pos..self.pos + n].to_vec();
+        self.pos += n;
+        Ok(out)
+    }
+
+    /// Read more bytes (0 at end of stream).
+    fn fill(&mut self, wait: Wait) -> Result<usize, ProtocolError> {
+        if self.pos > 0 && self.pos == self.buf.len() {
+            self.buf.clear();
+            self.pos = 0;
+        } else if self.pos > 64 * 1024 {
+            self.buf.drain(..self.pos);
+            self.pos = 0;
+        }
+        let timeout = match wait {
+            Wait::Idle => self.idle_timeout,
+            Wait::Request(d) => d.saturating_duration_since(Instant::now()),
+        };
+        if timeout.is_zero() {
+            return Err(ProtocolError::Slow(self.request_timeout));
+        }
+        self.stream.set_read_timeout(Some(timeout))?;
+        let mut chunk = [0u8; 16 * 1024];
+        loop {
+            match self.stream.read(&mut chunk) {
+                Ok(n) => {
+                    self.buf.extend_from_slice(&chunk[..n]);
+                    return Ok(n);
+                }
+                Err(e) if e.kind() == ErrorKind::Interrupted => continue,
+                Err(e) if matches!(e.kind(), ErrorKind::WouldBlock | ErrorKind::TimedOut) => {
+                    return Err(match wait {
+                        Wait::Idle => ProtocolError::Idle(self.idle_timeout),
+                        Wait::Request(_) => ProtocolError::Slow(self.request_timeout),
+                    });
+                }
+                Err(e) => return Err(e.into()),
+            }
+        }
+    }
+}
+
+#[derive(Clone, Copy)]
+enum Wait {
+    /// Between events.
+    Idle,
+    /// Inside an event that must be complete by then.
+    Request(Instant),
+}
+
+/// The writing side of a connection, shared by the connection's thread (replies) and the
+/// speaker's worker (audio chunks of its job).
+#[derive(Clone)]
+struct Writer(Arc<Mutex<TcpStream>>);
+
+impl Writer {
+    fn lock(&self) -> MutexGuard<'_, TcpStream> {
+        self.0.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    fn send(&self, kind: &str, data: &Value) -> io::Result<()> {
+        self.lock().write_all(&encode(kind, data, &[]))
+    }
+}
+
+/// The job's audio as `audio-chunk` events: every write (S16LE bytes from the raw sink) goes
+/// out as chunks of at most [`CHUNK_SAMPLES`] samples.
+struct ChunkWriter {
+    out: Writer,
+    rate: u32,
+}
+
+impl Write for ChunkWriter {
+    fn write(&mut self, buf: &[u8]) -> io::Result<usize> {
+        let format = json!({"rate": self.rate, "width": 2, "channels": 1});
+        let mut stream = self.out.lock();
+        for part in buf.chunks(CHUNK_SAMPLES * 2) {
+            stream.write_all(&encode("audio-chunk", &format, part))?;
+        }
+        Ok(buf.len())
+    }
+
+    fn flush(&mut self) -> io::Result<()> {
+        self.out.lock().flush()
+    }
+}
+
+/// The voice fields of a `synthesize` / `synthesize-start`.
+#[derive(Debug, Clone, Default, PartialEq)]
+struct VoiceAsk {
+    /// `voice.name`, or `voice.speaker` when no name is given.
+    name: Option<String>,
+    /// `voice.language`.
+    language: Option<String>,
+}
+
+/// The `voice` of an event's data; a `voice` that is not an object, or a field of it that is
+/// not a string, is refused (speaking in another voice than the one asked for is worse).
+fn voice_of(data: &Map<String, Value>) -> Result<VoiceAsk, String> {
+    let v = match data.get("voice") {
+        None | Some(Value::Null) => return Ok(VoiceAsk::default()),
+        Some(Value::Object(v)) => v,
+        Some(other) => return Err(format!("\"voice\" is not an object: {other}")),
+    };
+    let field = |k: &str| -> Result<Option<String>, String> {
+        match v.get(k) {
+            None | Some(Value::Null) => Ok(None),
+            Some(Value::String(s)) => Ok(Some(s.clone()).filter(|s| !s.trim().is_empty())),
+            Some(other) => Err(format!("\"voice.{k}\" is not a string: {other}")),
+        }
+    };
+    let (name, speaker, language) = (field("name")?, field("speaker")?, field("language")?);
+    Ok(VoiceAsk { name: name.or(speaker), language })
+}
+
+/// The `text` of an event's data.
+fn text_of(kind: &str, data: &Map<String, Value>) -> Result<String, String> {
+    match data.get("text") {
+        Some(Value::String(s)) => Ok(s.clone()),
+        Some(other) => Err(format!("{kind}: \"text\" is not a string: {other}")),
+        None => Err(format!("{kind}: no \"text\"")),
+    }
+}
+
+/// What a connection is doing between events.
+enum Mode {
+    /// Plain events.
+    Single,
+    /// Inside `synthesize-start` … `synthesize-stop`: the voice, the text not yet spoken, and
+    /// whether the stream went over `serve.max_text_chars` (its rest is then dropped).
+    Streaming { voice: VoiceAsk, pending: String, overflowed: bool },
+}
+
+struct Connection<'a> {
+    reader: EventReader,
+    out: Writer,
+    slot: &'a Slot,
+    shutdown: &'a AtomicBool,
+    mode: Mode,
+    /// Set while an event is handled or a stream is open ([`ConnEntry::busy`]).
+    busy: Arc<AtomicBool>,
+    /// When the last event was handled ([`ConnEntry::idle_since`]).
+    idle_since: Arc<Mutex<Instant>>,
+}
+
+impl<'a> Connection<'a> {
+    fn new(
+        stream: TcpStream,
+        slot: &'a Slot,
+        settings: &WyomingSettings,
+        shutdown: &'a AtomicBool,
+        busy: Arc<AtomicBool>,
+        idle_since: Arc<Mutex<Instant>>,
+    ) -> io::Result<Self> {
+        stream.set_nonblocking(false)?;
+        stream.set_nodelay(true)?;
+        // a client that stops reading cannot hold the speaker: a write blocked this long fails
+        // the job's sink
+        stream.set_write_timeout(Some(settings.request_timeout.max(Duration::from_secs(1))))?;
+        let out = Writer(Arc::new(Mutex::new(stream.try_clone()?)));
+        let reader = EventReader {
+            stream,
+            buf: Vec::new(),
+            pos: 0,
+            request_timeout: settings.request_timeout,
+            idle_timeout: settings.idle_timeout,
+        };
+        Ok(Connection { reader, out, slot, shutdown, mode: Mode::Single, busy, idle_since })
+    }
+
+    fn serve(&mut self) -> Result<(), ProtocolError> {
+        let result = self.events();
+        if let Err(e) = &result
+            && let Some(code) = e.code()
+        {
+            let _ = self.out.send("error", &json!({"text": e.to_string(), "code": code}));
+        }
+        let _ = self.reader.stream.shutdown(Shutdown::Both);
+        result
+    }
+
+    fn events(&mut self) -> Result<(), ProtocolError> {
+        loop {
+            if self.shutdown.load(Ordering::SeqCst) || self.slot.get().is_some_and(|f| f.stop_handle().is_stopped()) {
+                return Ok(());
+            }
+            let Some(event) = self.reader.next()? else { return Ok(()) };
+            self.busy.store(true, Ordering::SeqCst);
+            let handled = self.event(event);
+            // idle again (evictable, closed at once on shutdown) unless a stream is open
+            self.busy.store(matches!(self.mode, Mode::Streaming { .. }), Ordering::SeqCst);
+            *self.idle_since.lock().unwrap_or_else(|p| p.into_inner()) = Instant::now();
+            handled?;
+        }
+    }
+
+    /// Handle one event. `Err` only when the connection is unusable.
+    fn event(&mut self, event: Event) -> Result<(), ProtocolError> {
+        let Some(front) = self.slot.get() else {
+            self.error("herald is loading its model; try again shortly", "loading")?;
+            return Ok(());
+        };
+        log::debug!("wyoming: event {}", event.kind);
+        match event.kind.as_str() {
+            "describe" => self.out.send("info", &info(front))?,
+            "ping" => self.out.send("pong", &json!({"text": event.data.get("text").cloned().unwrap_or(Value::Null)}))?,
+            // inside a stream it is sent for old servers only; the stream's chunks say it all
+            "synthesize" if matches!(self.mode, Mode::Streaming { .. }) => {}
+            "synthesize" => match (text_of("synthesize", &event.data), voice_of(&event.data)) {
+                (Ok(text), Ok(voice)) => self.speak(front, &text, &voice)?,
+                (Err(msg), _) | (_, Err(msg)) => self.error(&msg, "bad-request")?,
+            },
+            "synthesize-start" => match voice_of(&event.data) {
+                Ok(voice) => {
+                    if let Mode::Streaming { pending, .. } = &self.mode
+                        && !pending.trim().is_empty()
+                    {
+                        log::info!("wyoming: a new synthesize-start drops {} unspoken characters", pending.chars().count());
+                    }
+                    self.mode = Mode::Streaming { voice, pending: String::new(), overflowed: false };
+                }
+                Err(msg) => self.error(&msg, "bad-request")?,
+            },
+            "synthesize-chunk" => {
+                let limit = front.max_text_chars();
+                let Mode::Streaming { pending, overflowed, .. } = &mut self.mode else {
+                    return Ok(self.error("synthesize-chunk outside synthesize-start … synthesize-stop", "bad-request")?);
+                };
+                if *overflowed {
+                    // the rest of a stream that went over the limit is dropped, not spoken
+                    return Ok(());
+                }
+                let text = match text_of("synthesize-chunk", &event.data) {
+                    Ok(t) => t,
+                    Err(msg) => return Ok(self.error(&msg, "bad-request")?),
+                };
+                if pending.chars().count() + text.chars().count() > limit {
+                    pending.clear();
+                    *overflowed = true;
+                    return Ok(self.error(
+                        &format!(
+                            "the unspoken text of the stream is over {limit} characters (serve.max_text_chars); \
+                             the rest of this stream is dropped"
+                        ),
+                        "too-long",
+                    )?);
+                }
+                pending.push_str(&text);
+                let (sentences, rest) = split_sentences(pending);
+                *pending = rest.to_owned();
+                let voice = match &self.mode {
+                    Mode::Streaming { voice, .. } => voice.clone(),
+                    Mode::Single => VoiceAsk::default(),
+                };
+                for s in sentences {
+                    self.speak(front, &s, &voice)?;
+                }
+            }
+            "synthesize-stop" => {
+                let Mode::Streaming { voice, pending, overflowed } = std::mem::replace(&mut self.mode, Mode::Single) else {
+                    return Ok(self.error("synthesize-stop outside synthesize-start … synthesize-stop", "bad-request")?);
+                };
+                if !overflowed && !pending.trim().is_empty() {
+                    self.speak(front, pending.trim(), &voice)?;
+                }
+                self.out.send("synthesize-stopped", &Value::Null)?;
+            }
+            other => log::debug!("wyoming: ignoring event {other:?}"),
+        }
+        Ok(())
+    }
+
+    fn error(&self, text: &str, code: &str) -> io::Result<()> {
+        log::info!("wyoming: {code}: {text}");
+        self.out.send("error", &json!({"text": text, "code": code}))
+    }
+
+    /// Speak `text` into this connection as one job: `audio-start`, chunks, `audio-stop`, or
+    /// an `error` event. `Err` only when the connection is unusable.
+    fn speak(&mut self, front: &Front, text: &str, voice: &VoiceAsk) -> Result<(), ProtocolError> {
+        let request = match front.request(text, voice.name.as_deref(), voice.language.as_deref()) {
+            Ok(r) => r,
+            Err(e) => {
+                let code = match e {
+                    RequestError::TooLong { .. } => "too-long",
+                    RequestError::UnknownVoice { .. } => "unknown-voice",
+                    RequestError::Prompt(_) => "bad-request",
+                };
+                self.error(&crate::one_line(&e), code)?;
+                return Ok(());
+            }
+        };
+        let rate = front.sample_rate();
+        let sink = front.raw_sink(ChunkWriter { out: self.out.clone(), rate }, "wyoming client");
+        let started = Arc::new(AtomicBool::new(false));
+        let on_begin = {
+            let (out, started) = (self.out.clone(), Arc::clone(&started));
+            move |_: &engine::Request| {
+                if out.send("audio-start", &json!({"rate": rate, "width": 2, "channels": 1})).is_ok() {
+                    started.store(true, Ordering::SeqCst);
+                }
+            }
+        };
+        let handle = match front.submit(request, sink, on_begin) {
+            Ok(h) => h,
+            Err(refused) => {
+                let code = match refused {
+                    Refused::Full { .. } => "busy",
+                    Refused::Stopped(_) => "stopping",
+                };
+                self.error(&refused.to_string(), code)?;
+                return Ok(());
+            }
+        };
+        // wait, watching the client: gone (end of stream or an error) → cancel the job
+        let mut gone = false;
+        let outcome = loop {
+            if let Some(o) = handle.wait_timeout(POLL) {
+                break o;
+            }
+            if !gone && client_gone(&self.reader.stream) {
+                log::info!("wyoming: the client went away; cancelling its job");
+                handle.cancel();
+                gone = true;
+            }
+        };
+        if gone {
+            // a client that only closed its sending side (nc -N) still reads this
+            let _ = self.out.send(
+                "error",
+                &json!({"text": "the client closed its side of the connection, which herald takes as leaving: the job was \
+                        cancelled (keep the connection open until audio-stop)", "code": "client-closed"}),
+            );
+            return Err(ProtocolError::Io(io::Error::new(ErrorKind::ConnectionAborted, "the client went away mid-stream")));
+        }
+        match outcome {
+            Ok(spoken) => {
+                if spoken.report.is_none() {
+                    log::info!("wyoming: the job was cut short (stopping)");
+                }
+                if !started.load(Ordering::SeqCst) {
+                    self.out.send("audio-start", &json!({"rate": rate, "width": 2, "channels": 1}))?;
+                }
+                self.out.send("audio-stop", &Value::Null)?;
+                Ok(())
+            }
+            Err(JobError::Cancelled) => {
+                self.error("cancelled: herald is stopping", "stopping")?;
+                Ok(())
+            }
+            Err(JobError::Sink(e)) => Err(ProtocolError::Io(io::Error::new(ErrorKind::BrokenPipe, e.to_string()))),
+            Err(e) => {
+                log::error!("wyoming: the job failed: {}", crate::one_line(&e));
+                self.error(&crate::one_line(&e), "synthesis-failed")?;
+                Ok(())
+            }
+        }
+    }
+}
+
+/// Whether the client closed its side (or the socket failed): readable with nothing to read.
+fn client_gone(stream: &TcpStream) -> bool {
+    let mut fd = [PollFd::new(stream, PollFlags::POLLIN)];
+    match nix::poll::poll(&mut fd, 0) {
+        Ok(0) => false,
+        Ok(_) => {
+            let revents = fd[0].revents().unwrap_or(PollFlags::empty());
+            if revents.intersects(PollFlags::POLLERR | PollFlags::POLLHUP) {
+                return true;
+            }
+            let mut b = [0u8; 1];
+            // data waiting (the next events of a stream) is not a goodbye
+            matches!(stream.peek(&mut b), Ok(0) | Err(_))
+        }
+        Err(_) => false,
+    }
+}
+
+/// The `info` event's data: one `tts` program with the bundle's voices.
+fn info(front: &Front) -> Value {
+    let attribution = json!({"name": "Qwen team, Alibaba Cloud (Qwen3-TTS); herald", "url": "https://github.com/QwenLM/Qwen3-TTS"});
+    let voices: Vec<Value> = front
+        .voices()
+        .iter()
+        .map(|v| {
+            let mut codes: Vec<&str> = v.languages.iter().map(|l| language_code(l)).collect();
+            codes.dedup();
+            let mut seen = std::collections::BTreeSet::new();
+            codes.retain(|c| seen.insert(*c));
+            json!({
+                "name": v.name,
+                "attribution": attribution,
+                "installed": true,
+                "description": format!("{} ({})", v.name, front.model()),
+                "version": null,
+                "languages": codes,
+                "speakers": null,
+            })
+        })
+        .collect();
+    json!({
+        "asr": [], "handle": [], "intent": [], "wake": [], "mic": [], "snd": [],
+        "tts": [{
+            "name": "herald",
+            "attribution": attribution,
+            "installed": true,
+            "description": format!("herald {}: {} on the device", env!("CARGO_PKG_VERSION"), front.model()),
+            "version": env!("CARGO_PKG_VERSION"),
+            "voices": voices,
+            "supports_synthesize_streaming": true,
+        }],
+    })
+}
+
+/// Split `text` into the sentences completed so far and the rest. A sentence ends after `.`,
+/// `!`, `?`, `;` or `…` (and closing quotes or brackets right after them) followed by
+/// whitespace, after a CJK full stop, exclamation or question mark (`。！？；`) at once, or at
+/// a line break. So `45.6` or `e.g.x` does not end a sentence; an abbreviation followed by a
+/// space (`Dr. Smith`) does. Sentences come back trimmed, empty ones dropped.
+pub fn split_sentences(text: &str) -> (Vec<String>, &str) {
+    let mut sentences = Vec::new();
+    let mut start = 0;
+    let mut chars = text.char_indices().peekable();
+    while let Some((i, c)) = chars.next() {
+        let end = match c {
+            '\n' => Some(i + c.len_utf8()),
+            '。' | '！' | '？' | '；' => {
+                let mut e = i + c.len_utf8();
+                while let Some(&(j, q)) = chars.peek() {
+                    if matches!(q, '」' | '』' | '”' | '）' | '"' | '\'') {
+                        e = j + q.len_utf8();
+                        chars.next();
+                    } else {
+                        break;
+                    }
+                }
+                Some(e)
+            }
+            '.' | '!' | '?' | ';' | '…' => {
+                let mut e = i + c.len_utf8();
+                while let Some(&(j, q)) = chars.peek() {
+                    if matches!(q, '"' | '\'' | ')' | ']' | '”' | '’' | '.' | '!' | '?') {
+                        e = j + q.len_utf8();
+                        chars.next();
+                    } else {
+                        break;
+                    }
+                }
+                match chars.peek() {
+                    Some(&(_, w)) if w.is_whitespace() => Some(e),
+                    _ => None,
+                }
+            }
+            _ => None,
+        };
+        if let Some(e) = end {
+            let s = text[start..e].trim();
+            if !s.is_empty() {
+                sentences.push(s.to_owned());
+            }
+            start = e;
+        }
+    }
+    (sentences, &text[start..])
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
+    use super::*;
+
+    #[test]
+    fn sentences_end_at_terminators_followed_by_space_and_at_cjk_stops() {
+        let (s, rest) = split_sentences("Hello there. It is 45.6 degrees! Is it? Dr");
+        assert_eq!(s, ["Hello there.", "It is 45.6 degrees!", "Is it?"]);
+        assert_eq!(rest, " Dr");
+        let (s, rest) = split_sentences("你好。今天很好！还有");
+        assert_eq!(s, ["你好。", "今天很好！"]);
+        assert_eq!(rest, "还有");
+        // a terminator at the very end may still be followed by more (a number, "...")
+        let (s, rest) = split_sentences("Wait... what?\" he said.");
+        assert_eq!(s, ["Wait...", "what?\""]);
+        assert_eq!(rest, " he said.");
+        let (s, rest) = split_sentences("line one\nline two");
+        assert_eq!(s, ["line one"]);
+        assert_eq!(rest, "line two");
+        assert_eq!(split_sentences("").0, Vec::<String>::new());
+    }
+
+    #[test]
+    fn encoding_matches_the_wire_format() {
+        let e = encode("audio-chunk", &json!({"rate": 24000, "width": 2, "channels": 1}), &[1, 2, 3, 4]);
+        let nl = e.iter().position(|&b| b == b'\n').unwrap();
+        let header: Value = serde_json::from_slice(&e[..nl]).unwrap();
+        assert_eq!(header["type"], "audio-chunk");
+        let dl = header["data_length"].as_u64().unwrap() as usize;
+        assert_eq!(header["payload_length"], 4);
+        let data: Value = serde_json::from_slice(&e[nl + 1..nl + 1 + dl]).unwrap();
+        assert_eq!(data, json!({"rate": 24000, "width": 2, "channels": 1}));
+        assert_eq!(&e[nl + 1 + dl..], &[1, 2, 3, 4]);
+        // no data, no payload: the header alone
+        let e = encode("audio-stop", &Value::Null, &[]);
+        assert_eq!(e.iter().filter(|&&b| b == b'\n').count(), 1);
+        assert!(serde_json::from_slice::<Value>(&e[..e.len() - 1]).unwrap().get("data_length").is_none());
+    }
+
+    /// A reader over one end of a socket pair whose other end `bytes` were written to.
+    fn reader_for(bytes: &[u8], close: bool) -> (EventReader, TcpStream) {
+        let l = TcpListener::bind("127.0.0.1:0").unwrap();
+        let mut client = TcpStream::connect(l.local_addr().unwrap()).unwrap();
+        let (server, _) = l.accept().unwrap();
+        client.write_all(bytes).unwrap();
+        if close {
+            client.shutdown(Shutdown::Write).unwrap();
+        }
+        let r = EventReader {
+            stream: server,
+            buf: Vec::new(),
+            pos: 0,
+            request_timeout: Duration::from_millis(300),
+            idle_timeout: Duration::from_millis(300),
+        };
+        (r, client)
+    }
+
+    #[test]
+    fn events_are_read_with_data_merged_and_payload() {
+        let mut bytes = encode("synthesize", &json!({"text": "Hi.", "voice": {"name": "ryan"}}), &[]);
+        bytes.extend(br#"{"type": "describe"}"#);
+        bytes.push(b'\n');
+        bytes.extend(br#"{"type": "x", "data": {"a": 1}, "data_length": 8, "payload_length": 2}"#);
+        bytes.push(b'\n');
+        bytes.extend(br#"{"b": 2}"#);
+        bytes.extend([9, 9]);
+        let (mut r, _c) = reader_for(&bytes, true);
+        let e = r.next().unwrap().unwrap();
+        assert_eq!(e.kind, "synthesize");
+        assert_eq!(text_of("synthesize", &e.data).unwrap(), "Hi.");
+        assert_eq!(voice_of(&e.data), Ok(VoiceAsk { name: Some("ryan".into()), language: None }));
+        let bad = |v: Value| voice_of(json!({"voice": v}).as_object().unwrap());
+        assert!(bad(json!(5)).unwrap_err().contains("not an object"));
+        assert!(bad(json!({"name": 7})).unwrap_err().contains("voice.name"));
+        assert_eq!(
+            bad(json!({"speaker": "eric", "language": "zh"})),
+            Ok(VoiceAsk { name: Some("eric".into()), language: Some("zh".into()) })
+        );
+        assert_eq!(r.next().unwrap().unwrap().kind, "describe");
+        let e = r.next().unwrap().unwrap();
+        assert_eq!(Value::Object(e.data), json!({"a": 1, "b": 2}));
+        assert_eq!(e.payload, [9, 9]);
+        assert!(r.next().unwrap().is_none(), "clean end of stream");
+    }
+
+    #[test]
+    fn bad_frames_are_refused_with_their_reason() {
+        let (mut r, _c) = reader_for(b"not json\n", true);
+        assert!(matches!(r.next(), Err(ProtocolError::Malformed(_))));
+        let (mut r, _c) = reader_for(b"{\"data\": {}}\n", true);
+        assert!(matches!(r.next(), Err(ProtocolError::Malformed(m)) if m.contains("type")));
+        let (mut r, _c) = reader_for(b"{\"type\": \"a\", \"payload_length\": 99999999999}\n", true);
+        assert!(matches!(r.next(), Err(ProtocolError::TooLarge { what: "payload_length", .. })));
+        let (mut r, _c) = reader_for(b"{\"type\": \"a\", \"data_length\": -1}\n", true);
+        assert!(matches!(r.next(), Err(ProtocolError::Malformed(_))));
+        // a payload length that lies: fewer bytes, then the client waits → timeout; or closes → truncated
+        let (mut r, _c) = reader_for(b"{\"type\": \"a\", \"payload_length\": 10}\nabc", false);
+        assert!(matches!(r.next(), Err(ProtocolError::Slow(_))));
+        let (mut r, _c) = reader_for(b"{\"type\": \"a\", \"payload_length\": 10}\nabc", true);
+        assert!(matches!(r.next(), Err(ProtocolError::Truncated)));
+        // half a header line, then silence: a slow client
+        let (mut r, _c) = reader_for(b"{\"type\": \"desc", false);
+        assert!(matches!(r.next(), Err(ProtocolError::Slow(_))));
+        // nothing at all: idle
+        let (mut r, _c) = reader_for(b"", false);
+        assert!(matches!(r.next(), Err(ProtocolError::Idle(_))));
+        // a header line without end, over the limit
+        let big = vec![b'x'; MAX_HEADER_BYTES + 10];
+        let l = TcpListener::bind("127.0.0.1:0").unwrap();
+        let addr = l.local_addr().unwrap();
+        let writer = std::thread::spawn(move || {
+            let mut c = TcpStream::connect(addr).unwrap();
+            let _ = c.write_all(&big);
+            std::thread::sleep(Duration::from_millis(500));
+        });
+        let (server, _) = l.accept().unwrap();
+        let mut r = EventReader {
+            stream: server,
+            buf: Vec::new(),
+            pos: 0,
+            request_timeout: Duration::from_secs(5),
+            idle_timeout: Duration::from_secs(5),
+        };
+        assert!(matches!(r.next(), Err(ProtocolError::TooLarge { what: "header line", .. })));
+        writer.join().unwrap();
+    }
+}
