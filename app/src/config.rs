@@ -68,6 +68,22 @@ pub const DEFAULT_FRAME_POOL_MIB: usize = engine::DEFAULT_POOL_BYTES >> 20;
 pub const DEFAULT_GRAPH_CACHE_DIR: &str = "/var/cache/herald/graphs";
 /// Default `runtime.calibration_dir`.
 pub const DEFAULT_CALIBRATION_DIR: &str = "/var/lib/herald/calibration";
+/// `serve.queue_length`: jobs that may wait besides the one in progress.
+pub const QUEUE_LENGTH: RangeInclusive<usize> = 1..=64;
+/// `serve.max_connections`: connections per network front-end.
+pub const MAX_CONNECTIONS: RangeInclusive<usize> = 1..=1024;
+/// `serve.max_text_chars`: up to the longest text the engine takes
+/// (`engine::prompt::MAX_TEXT_CHARS`).
+pub const MAX_TEXT_CHARS: RangeInclusive<usize> = 1..=engine::prompt::MAX_TEXT_CHARS;
+/// `serve.request_timeout_s`.
+pub const REQUEST_TIMEOUT_S: RangeInclusive<u32> = 1..=600;
+/// `serve.idle_timeout_s`.
+pub const IDLE_TIMEOUT_S: RangeInclusive<u32> = 1..=86_400;
+/// Default `serve.wyoming`: the port Home Assistant's Wyoming integration expects of a TTS
+/// server (wyoming-piper's 10200), on loopback.
+pub const DEFAULT_WYOMING: &str = "tcp://127.0.0.1:10200";
+/// Default `serve.http`: the port of Piper's HTTP server (5000), on loopback.
+pub const DEFAULT_HTTP: &str = "127.0.0.1:5000";
 /// `amplifier.line`: line offset within the chip.
 pub const AMP_LINE: RangeInclusive<u32> = 0..=4095;
 /// `amplifier.lead_ms`: how long before the first sample the amplifier is enabled.
@@ -326,6 +342,47 @@ settings! {
         lead_ms: u32 = 50, Within(AMP_LEAD_MS);
     }
 
+    /// `herald serve`'s network front-ends ([README](../README.md#on-the-network)): a Wyoming
+    /// TTS server for Home Assistant and an OpenAI-compatible HTTP API, next to the FIFO, on
+    /// one engine with one bounded job queue. Both listen on loopback unless configured
+    /// otherwise; under systemd, `herald.socket` may hand the sockets over instead (matched
+    /// by port).
+    serve: ServeConfig {
+        /// Where the Wyoming server listens: `tcp://HOST:PORT`, or `off`. `0.0.0.0` listens on
+        /// every address (for Home Assistant on another machine).
+        wyoming: String = DEFAULT_WYOMING.into(), Any("`tcp://HOST:PORT` or `off`");
+        /// Where the HTTP server (`POST /v1/audio/speech`, `GET /v1/models`, `GET /healthz`,
+        /// `POST /v1/say`) listens: `HOST:PORT`, or `off`. A non-loopback address needs
+        /// `api_key`.
+        http: String = DEFAULT_HTTP.into(), Any("`HOST:PORT` or `off`");
+        /// Requests that may wait while one is spoken, all front-ends together; one more is
+        /// refused at once as busy (Wyoming `error` with code `busy`, HTTP 503), never queued
+        /// without bound. The FIFO waits for room instead.
+        queue_length: usize = 4, Within(QUEUE_LENGTH);
+        /// Connections each network server keeps open at once; one more is refused (Wyoming:
+        /// an `error` event `busy`, HTTP: 503) and closed.
+        max_connections: usize = 16, Within(MAX_CONNECTIONS);
+        /// The longest text a network request may carry, in characters (4096 is the OpenAI
+        /// speech API's limit); a longer one is refused with a message naming this key.
+        max_text_chars: usize = 4096, Within(MAX_TEXT_CHARS);
+        /// Seconds a request may take to arrive in full once its first byte came (a Wyoming
+        /// event; an HTTP request's head and body); a slower client is disconnected. Also how
+        /// long a write to a client that does not read may block before its job is cancelled.
+        request_timeout_s: u32 = 10, Within(REQUEST_TIMEOUT_S);
+        /// Seconds a connection may stay open with nothing to do before it is closed.
+        idle_timeout_s: u32 = 120, Within(IDLE_TIMEOUT_S);
+        /// Zeroconf (mDNS / DNS-SD) announcement of the Wyoming server as `_wyoming._tcp`, which
+        /// Home Assistant discovers: `auto` announces it when `wyoming` is not a loopback
+        /// address (only then can Home Assistant reach it), `off` never does. A failure to
+        /// announce is logged and the server runs without it.
+        zeroconf: Zeroconf = Zeroconf::Auto, OneOf;
+        /// The HTTP API's bearer token (`Authorization: Bearer <key>`, every route but
+        /// `/healthz`). Not set: no authentication, which is refused at start-up when `http`
+        /// is not a loopback address. Prefer `HERALD_SERVE_API_KEY` in the service's
+        /// environment to writing it into the file.
+        api_key: Option<String> = None, Opt("no authentication (loopback only)", Any("a token"));
+    }
+
     /// Logging.
     log: LogConfig {
         /// How much herald logs (to stderr / the journal). When the `RUST_LOG` environment
@@ -553,6 +610,16 @@ named! {
         S16 = "s16",
         /// 32-bit float little-endian (`FLOAT_LE`).
         F32 = "f32",
+    }
+}
+
+named! {
+    /// `serve.zeroconf`: whether the Wyoming server is announced over mDNS.
+    Zeroconf {
+        /// Announced when the Wyoming server listens on an address other machines can reach.
+        Auto = "auto",
+        /// Never announced.
+        Off = "off",
     }
 }
 
@@ -1729,14 +1796,14 @@ mod tests {
     fn unknown_sections_and_top_level_keys() {
         let msg = load_err("gpio.toml", "[audio]\n\n[gpio]\npin = 4\n");
         assert!(
-            msg.ends_with("gpio.toml:3: unknown section [gpio] (sections: model, audio, synthesis, runtime, amplifier, log)"),
+            msg.ends_with("gpio.toml:3: unknown section [gpio] (sections: model, audio, synthesis, runtime, amplifier, serve, log)"),
             "{msg}"
         );
         let msg = load_err("top.toml", "volume = 1.0\n");
         assert!(
             msg.ends_with(
                 "top.toml:1: key volume is outside any section (settings live in the sections [model], \
-                               [audio], [synthesis], [runtime], [amplifier], [log])"
+                               [audio], [synthesis], [runtime], [amplifier], [serve], [log])"
             ),
             "{msg}"
         );
@@ -1997,6 +2064,7 @@ mod tests {
         c.synthesis.speaker = Some("s".into());
         c.synthesis.seed = Some(1);
         c.amplifier.chip = Some("gpiochip-label".into());
+        c.serve.api_key = Some("secret".into());
         let printed = c.to_toml();
         let table: toml::Table = printed.parse().unwrap();
         let mut printed_keys: Vec<String> = Vec::new();

@@ -21,9 +21,16 @@ fn tmp(name: &str) -> PathBuf {
     common::tmp("serve", name)
 }
 
-/// herald with a clean environment ([`common::command`]), stdin closed, output captured.
+/// herald with a clean environment ([`common::command`]), stdin closed, output captured; the
+/// network front-ends on kernel-chosen loopback ports, so that tests running at once (and a
+/// herald already on this machine) never collide on the default ports.
 fn command(args: &[&str], env: &[(&str, &str)]) -> Command {
     let mut c = common::command(args, env);
+    for (k, v) in [("HERALD_SERVE_WYOMING", "tcp://127.0.0.1:0"), ("HERALD_SERVE_HTTP", "127.0.0.1:0")] {
+        if !env.iter().any(|(e, _)| *e == k) {
+            c.env(k, v);
+        }
+    }
     c.stdin(Stdio::null()).stdout(Stdio::piped()).stderr(Stdio::piped());
     c
 }
@@ -235,6 +242,20 @@ fn startup_errors_exit_with_one_line() {
     check(run(&["serve", "--bundle", "/nonexistent/bundle", "--fifo", fifo.to_str().unwrap()], &[]), 4, "/nonexistent/bundle");
     assert!(!fifo.exists(), "a failed start leaves no FIFO behind");
     check(run(&["serve", "--bundle", bs, "--fifo", fifo.to_str().unwrap()], &[("HERALD_SYNTHESIS_SPEAKER", "nobody")]), 2, "nobody");
+    // the network front-ends' addresses: malformed, busy, or open to the network without a key
+    let f = fifo.to_str().unwrap();
+    check(run(&["serve", "--bundle", bs, "--fifo", f], &[("HERALD_SERVE_WYOMING", "udp://1.2.3.4:5")]), 2, "serve.wyoming");
+    check(
+        run(&["serve", "--bundle", bs, "--fifo", f], &[("HERALD_SERVE_HTTP", "127.0.0.1")]),
+        2,
+        "serve.http = \"127.0.0.1\": no port",
+    );
+    check(run(&["serve", "--bundle", bs, "--fifo", f], &[("HERALD_SERVE_HTTP", "0.0.0.0:0")]), 2, "serve.api_key");
+    check(run(&["serve", "--bundle", bs, "--fifo", f], &[("HERALD_SERVE_API_KEY", " key ")]), 2, "white space");
+    check(run(&["serve", "--bundle", bs, "--fifo", f], &[("HERALD_SERVE_WYOMING", "")]), 2, "empty");
+    let busy = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let taken = format!("tcp://{}", busy.local_addr().unwrap());
+    check(run(&["serve", "--bundle", bs, "--fifo", f], &[("HERALD_SERVE_WYOMING", &taken)]), 2, "cannot listen");
     assert!(!fifo.exists());
 }
 

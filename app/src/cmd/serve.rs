@@ -13,24 +13,30 @@
 //! works, `WATCHDOG=1` every half of `$WATCHDOG_USEC` while its work is alive, and `STOPPING=1`
 //! on shutdown.
 
+use std::net::{SocketAddr, TcpListener};
 use std::path::{Path, PathBuf};
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use service::Speaker;
 use service::fifo::{Fifo, FifoSettings, Served};
+use service::front::{Front, FrontSettings, Slot};
+use service::http::{HttpServer, HttpSettings};
+use service::listen;
 use service::notify::{Heartbeat, Notifier, NotifyState, Watchdog};
+use service::wyoming::{WyomingServer, WyomingSettings};
+use service::zeroconf;
 
 use super::{init_logging_from, load_config, rss_text};
-use crate::config::CliOverrides;
+use crate::config::{CliOverrides, ServeConfig, Zeroconf};
 use crate::exit::{self, Failure, fail};
 
 /// The FIFO `herald serve` reads when `--fifo` is not given (in systemd's
 /// `RuntimeDirectory=herald`).
 pub const DEFAULT_FIFO: &str = "/run/herald/say";
 
-/// Jobs that may wait in the speaker's queue. The FIFO submits one line at a time and waits
-/// for it (the pipe holds the rest), so one is enough.
-const QUEUE_CAPACITY: usize = 1;
+/// How long the network servers get, after the stop, to end their streams (the job in
+/// progress is cut at a frame boundary, so this is one frame and a flush in practice).
+const SHUTDOWN_GRACE: Duration = Duration::from_secs(2);
 
 /// The flags of `herald serve`.
 #[derive(clap::Args, Debug)]
@@ -78,9 +84,17 @@ pub fn run(config: Option<&Path>, args: ServeArgs) -> Result<(), Failure> {
     };
     let settings = crate::speaker::settings(&cfg, args.out_dir.is_none());
     let voice = settings.voice.clone();
+    // The network front-ends' addresses and sockets: a bad or busy address stops here, before
+    // the model loads.
+    let net = Network::open(&cfg.serve)?;
     // The amplifier line (only when playing): a missing chip or line stops here, at start-up.
     let preparing = Speaker::prepare(settings, crate::STOP.clone())?;
     let fifo = Fifo::open(&args.fifo)?;
+    // Both sockets listen from now on. HTTP answers at once (/healthz: "loading"); Wyoming
+    // clients wait in the backlog until the model is in the slot.
+    let slot = Slot::new();
+    let mut net = net;
+    let mut servers = net.start_http(&cfg.serve, &slot)?;
     let t0 = Instant::now();
     let dir = &cfg.model.bundle;
     notify(&[NotifyState::Status(&format!("loading bundle {}", dir.display()))]);
@@ -96,23 +110,189 @@ pub fn run(config: Option<&Path>, args: ServeArgs) -> Result<(), Failure> {
     speaker.check_voice().map_err(|e| fail(exit::INPUT, e))?;
     let lines =
         FifoSettings { voice, out_dir: args.out_dir, sample_rate: speaker.sample_rate(), kv_capacity: cfg.synthesis.kv_capacity };
-    let queue =
-        speaker.start(QUEUE_CAPACITY).map_err(|e| fail(exit::BUG, anyhow::Error::new(e).context("cannot start the speaker")))?;
-    let ready = format!("ready; reading lines from {}", fifo.path().display());
+    let front_settings = FrontSettings { queue_length: cfg.serve.queue_length, max_text_chars: cfg.serve.max_text_chars };
+    let front = Front::start(speaker, &front_settings)
+        .map_err(|e| fail(exit::BUG, anyhow::Error::new(e).context("cannot start the speaker")))?;
+    if slot.fill(front).is_err() {
+        return Err(fail(exit::BUG, anyhow::anyhow!("the speaker was started twice")));
+    }
+    let Some(front) = slot.get() else { return Err(fail(exit::BUG, anyhow::anyhow!("the speaker's slot is empty"))) };
+    if crate::STOP.is_stopped() {
+        // SIGTERM while the model loaded: never say ready, stop at once (clients waiting in the
+        // Wyoming backlog see the connection closed)
+        log::info!("stopping before ready (SIGTERM or SIGINT while loading)");
+        notify(&[NotifyState::Stopping]);
+        servers.shutdown(SHUTDOWN_GRACE);
+        return Ok(());
+    }
+    servers.start_wyoming(&mut net, &cfg.serve, &slot)?;
+    let mut ready = format!("ready; reading lines from {}", fifo.path().display());
+    for s in servers.describe() {
+        ready.push_str(&format!(", {s}"));
+    }
     log::info!("{ready} (bundle {} loaded in {:.2} s, resident memory {})", dir.display(), t0.elapsed().as_secs_f64(), rss_text());
     notify(&[NotifyState::Ready, NotifyState::Status(&ready)]);
     let heartbeat = Heartbeat::new();
     let watchdog = notifier.as_ref().and_then(|n| Watchdog::start(n, &heartbeat));
 
     let mut served = Served::default();
-    let result = service::fifo::serve(&fifo, &queue, &lines, notifier.as_ref(), &heartbeat, &crate::STOP, &mut served);
+    let result = service::fifo::serve(&fifo, front.queue(), &lines, notifier.as_ref(), &heartbeat, &crate::STOP, &mut served);
     let stopping = format!("stopping; {} line(s) spoken, {} skipped", served.spoken, served.skipped);
     log::info!("{stopping}");
     notify(&[NotifyState::Stopping, NotifyState::Status(&stopping)]);
+    // the stop has cut the job in progress at a frame boundary; its stream ends cleanly
+    servers.shutdown(SHUTDOWN_GRACE);
     if let Some(w) = watchdog {
         w.stop();
     }
-    drop(queue);
     drop(fifo);
     result.map_err(Failure::from)
+}
+
+/// The network front-ends' listening sockets, bound (or taken from systemd) before the model
+/// loads.
+struct Network {
+    wyoming: Option<TcpListener>,
+    http: Option<TcpListener>,
+}
+
+/// The running network servers.
+struct Servers {
+    wyoming: Option<WyomingServer>,
+    http: Option<HttpServer>,
+    zeroconf: Option<zeroconf::Announcement>,
+}
+
+impl Network {
+    /// Parse `serve.wyoming` and `serve.http`, check that a non-loopback HTTP address has an
+    /// `api_key`, and take each socket from systemd's socket activation (matched by port) or
+    /// bind it. Exit code 2 for every problem (the message names the key).
+    fn open(cfg: &ServeConfig) -> Result<Network, Failure> {
+        let input = |e: listen::ListenError| fail(exit::INPUT, e);
+        let wyoming = listen::parse("serve.wyoming", &cfg.wyoming, "tcp").map_err(input)?;
+        let http = listen::parse("serve.http", &cfg.http, "http").map_err(input)?;
+        if let Some(key) = &cfg.api_key
+            && (key.trim().is_empty() || key.trim() != key)
+        {
+            // an EnvironmentFile= line with a trailing space would otherwise lock every client out
+            return Err(fail(
+                exit::INPUT,
+                anyhow::anyhow!("serve.api_key is blank or has white space around it; a bearer token cannot carry it"),
+            ));
+        }
+        if let Some(a) = http
+            && !a.ip().is_loopback()
+            && cfg.api_key.is_none()
+        {
+            return Err(fail(
+                exit::INPUT,
+                anyhow::anyhow!(
+                    "serve.http = {:?} is reachable from other machines: set serve.api_key (HERALD_SERVE_API_KEY) \
+                     so that requests need a bearer token, or listen on a loopback address",
+                    cfg.http
+                ),
+            ));
+        }
+        if let (Some(w), Some(h)) = (wyoming, http)
+            && w.port() == h.port()
+            && w.port() != 0
+        {
+            return Err(fail(exit::INPUT, anyhow::anyhow!("serve.wyoming and serve.http both name port {}", w.port())));
+        }
+        let mut inherited = listen::inherited();
+        let mut take = |key, value: &str, addr: Option<SocketAddr>| -> Result<Option<TcpListener>, Failure> {
+            let Some(addr) = addr else { return Ok(None) };
+            let (l, passed) = listen::take_or_bind(&mut inherited, key, value, addr).map_err(input)?;
+            if passed {
+                log::info!("{key}: using the socket systemd passed for {addr}");
+            }
+            Ok(Some(l))
+        };
+        let wyoming = take("serve.wyoming", &cfg.wyoming, wyoming)?;
+        let http = take("serve.http", &cfg.http, http)?;
+        for (addr, _) in inherited {
+            log::warn!("socket activation: a socket for {addr} was passed, but neither serve.wyoming nor serve.http names it; closed");
+        }
+        Ok(Network { wyoming, http })
+    }
+
+    /// Start the HTTP server on `slot` now (it answers `/healthz` and says "loading" until the
+    /// slot is filled); the Wyoming socket waits for [`Servers::start_wyoming`].
+    fn start_http(&mut self, cfg: &ServeConfig, slot: &Slot) -> Result<Servers, Failure> {
+        let http = match self.http.take() {
+            Some(l) => Some(HttpServer::start(l, slot.clone(), http_settings(cfg)).map_err(bug("cannot start the HTTP server"))?),
+            None => None,
+        };
+        Ok(Servers { wyoming: None, http, zeroconf: None })
+    }
+}
+
+fn bug(what: &'static str) -> impl Fn(std::io::Error) -> Failure {
+    move |e| fail(exit::BUG, anyhow::Error::new(e).context(what))
+}
+
+fn http_settings(cfg: &ServeConfig) -> HttpSettings {
+    HttpSettings {
+        max_connections: cfg.max_connections,
+        request_timeout: Duration::from_secs(cfg.request_timeout_s.into()),
+        idle_timeout: Duration::from_secs(cfg.idle_timeout_s.into()),
+        api_key: cfg.api_key.clone(),
+    }
+}
+
+impl Servers {
+    /// Start the Wyoming server once the model is loaded: until then its clients wait in the
+    /// listening socket's backlog (a Wyoming client such as Home Assistant takes an error to
+    /// `describe` as a broken server), then announce it over Zeroconf when wanted.
+    fn start_wyoming(&mut self, net: &mut Network, cfg: &ServeConfig, slot: &Slot) -> Result<(), Failure> {
+        let Some(l) = net.wyoming.take() else { return Ok(()) };
+        let settings = WyomingSettings {
+            max_connections: cfg.max_connections,
+            request_timeout: Duration::from_secs(cfg.request_timeout_s.into()),
+            idle_timeout: Duration::from_secs(cfg.idle_timeout_s.into()),
+        };
+        let w = WyomingServer::start(l, slot.clone(), settings).map_err(bug("cannot start the Wyoming server"))?;
+        if cfg.zeroconf == Zeroconf::Auto && zeroconf::wanted(&w.local_addr()) {
+            match zeroconf::Announcement::start(w.local_addr(), zeroconf::MDNS_PORT) {
+                Ok(a) => self.zeroconf = Some(a),
+                Err(e) => log::warn!("{e}; Home Assistant will not discover herald by itself (add it by host and port)"),
+            }
+        }
+        self.wyoming = Some(w);
+        Ok(())
+    }
+
+    /// One phrase per server for the ready line: `Wyoming on tcp://…`, `HTTP on http://…`.
+    fn describe(&self) -> Vec<String> {
+        let mut v = Vec::new();
+        if let Some(w) = &self.wyoming {
+            v.push(format!("Wyoming on tcp://{}", w.local_addr()));
+        }
+        if let Some(h) = &self.http {
+            v.push(format!("HTTP on http://{}", h.local_addr()));
+        }
+        v
+    }
+
+    /// Stop accepting and give the open streams `grace` to end.
+    fn shutdown(self, grace: Duration) {
+        let deadline = Instant::now() + grace;
+        if let Some(z) = self.zeroconf {
+            z.stop();
+        }
+        // both stop accepting and close their idle connections first, then share one grace
+        let mut wyoming = self.wyoming;
+        if let Some(w) = wyoming.as_mut() {
+            w.begin_shutdown();
+        }
+        if let Some(h) = &self.http {
+            h.begin_shutdown();
+        }
+        if let Some(h) = self.http {
+            h.finish_shutdown(deadline);
+        }
+        if let Some(w) = wyoming {
+            w.finish(deadline);
+        }
+    }
 }
