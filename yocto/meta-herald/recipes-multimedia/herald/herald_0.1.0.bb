@@ -46,13 +46,14 @@ export CARGO_PROFILE_RELEASE_STRIP = "false"
 do_install:append() {
     install -d ${D}${systemd_system_unitdir}
     install -m 0644 ${S}/image/overlay/lib/systemd/system/herald.service ${D}${systemd_system_unitdir}/herald.service
+    install -m 0644 ${S}/image/overlay/lib/systemd/system/herald.socket ${D}${systemd_system_unitdir}/herald.socket
     install -d ${D}${sysconfdir}/herald
     install -m 0644 ${S}/image/overlay/etc/herald/herald.toml ${D}${sysconfdir}/herald/herald.toml
     install -d ${D}${docdir}/${BPN}
     install -m 0644 ${S}/image/overlay/etc/asound.conf ${D}${docdir}/${BPN}/asound.conf.example
 }
 
-SYSTEMD_SERVICE:${PN} = "herald.service"
+SYSTEMD_SERVICE:${PN} = "herald.socket herald.service"
 
 CONFFILES:${PN} = "${sysconfdir}/herald/herald.toml"
 
