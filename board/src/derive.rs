@@ -83,11 +83,13 @@ pub struct Derived {
 /// The bundle does not fit this board.
 #[derive(Debug, Clone, PartialEq, thiserror::Error)]
 #[error(
-    "the model does not fit in memory: {available} MiB available - {weights} MiB weights - {activations} MiB activations - {headroom} MiB headroom ({class}) = {budget} MiB leaves room for {fit} KV positions of {per_position} KiB; herald needs at least {min} (use an fp16 bundle, a smaller model, or free memory)"
+    "the model does not fit in memory: {available} MiB available{limited_by} - {weights} MiB weights - {activations} MiB activations - {headroom} MiB headroom ({class}) = {budget} MiB leaves room for {fit} KV positions of {per_position} KiB; herald needs at least {min} (use an fp16 bundle, a smaller model, or free memory)"
 )]
 pub struct DoesNotFit {
-    /// MemAvailable, MiB.
+    /// MemAvailable (or what the cgroup still allows, when less), MiB.
     pub available: i64,
+    /// ` (cgroup memory.max)` when the control group's limit set `available`, else empty.
+    pub limited_by: &'static str,
     /// Weights, MiB.
     pub weights: i64,
     /// Activations, MiB.
@@ -188,8 +190,11 @@ pub fn derive(
     let kv_fit =
         if budget > model.fixed_cache_bytes as i64 { (budget as u64 - model.fixed_cache_bytes) * 2 / (per_position * 3) } else { 0 };
     if kv_fit < MIN_KV_POSITIONS {
+        let limited_by =
+            if hw.cgroup_memory_room_bytes == Some(available) { " (the cgroup's memory.max - memory.current)" } else { "" };
         return Err(DoesNotFit {
             available: mib(available),
+            limited_by,
             weights: mib(weights),
             activations: mib(activations),
             headroom: mib(headroom),
@@ -324,6 +329,18 @@ mod tests {
         assert_eq!(d.dtype, Dtype::Fp32);
         assert!(d.notes.iter().any(|n| n.contains("emulated")), "{:?}", d.notes);
         assert_eq!((d.talker_cpus.clone(), d.vocoder_cpus.clone()), (vec![0], vec![1]));
+    }
+
+    #[test]
+    fn a_cgroup_limit_below_the_need_is_refused_and_named() {
+        // 8 GiB of RAM free, but the service's MemoryMax leaves 1 GiB
+        let mut hw = board(HardwareClass::Arm64Cpu, &["neon"], &[0, 1, 2, 3], &[], 8.0);
+        hw.cgroup_memory_room_bytes = Some(GIB);
+        hw.ram_available_bytes = GIB;
+        let err = derive(&hw, &qwen06(Dtype::Fp32, 2662 * MIB), &[0, 1, 2, 3], 4096).unwrap_err();
+        assert_eq!(err.available, 1024);
+        let msg = err.to_string();
+        assert!(msg.contains("1024 MiB available (the cgroup's memory.max - memory.current)"), "{msg}");
     }
 
     #[test]

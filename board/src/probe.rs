@@ -116,8 +116,12 @@ pub struct HardwareProfile {
     pub numa_nodes: usize,
     /// `MemTotal` in bytes.
     pub ram_total_bytes: u64,
-    /// `MemAvailable` in bytes.
+    /// `MemAvailable` in bytes, lowered to [`Self::cgroup_memory_room_bytes`] when that is less.
     pub ram_available_bytes: u64,
+    /// What this process's control group (cgroup v2) still lets it use: the least of
+    /// `memory.max` − `memory.current` over its group and the groups above it (a service's
+    /// `MemoryMax=`, a container's limit), bytes; `None` without cgroup v2 or without a limit.
+    pub cgroup_memory_room_bytes: Option<u64>,
     /// Number of `/sys/class/thermal/thermal_zone*` entries.
     pub thermal_zones: usize,
     /// NVIDIA Tegra (Jetson) board.
@@ -145,6 +149,7 @@ impl Default for HardwareProfile {
             numa_nodes: 1,
             ram_total_bytes: 0,
             ram_available_bytes: 0,
+            cgroup_memory_room_bytes: None,
             thermal_zones: 0,
             is_jetson: false,
             is_raspberry_pi: false,
@@ -202,8 +207,9 @@ impl HardwareProfile {
     /// One-line human description.
     pub fn describe(&self) -> String {
         let gib = self.ram_total_bytes as f64 / (1u64 << 30) as f64;
+        let cgroup = self.cgroup_memory_room_bytes.map(|b| format!(" cgroup_room={:.1}GiB", b as f64 / (1u64 << 30) as f64)).unwrap_or_default();
         format!(
-            "class={} arch={} cpu=\"{}\" logical={} physical={} big={} flags=[{}] ram={gib:.1}GiB npu=[{}] source={}",
+            "class={} arch={} cpu=\"{}\" logical={} physical={} big={} flags=[{}] ram={gib:.1}GiB{cgroup} npu=[{}] source={}",
             self.class,
             self.arch,
             self.cpu_model,
@@ -330,6 +336,32 @@ fn parse_meminfo(text: &str) -> (u64, u64) {
     (total, avail)
 }
 
+/// What the cgroup v2 hierarchy at `root/sys/fs/cgroup` still lets this process use (the group
+/// named by `root/proc/self/cgroup`'s `0::/path` line and every group above it): the least of
+/// `memory.max` − `memory.current`, bytes (0 when a group is at or over its limit); `None`
+/// when there is no cgroup v2 line or no group has a limit (`max`).
+fn cgroup_memory_room(root: &Path) -> Option<u64> {
+    let own = read_opt(&root.join("proc/self/cgroup"))?;
+    let path = own.lines().find_map(|l| l.strip_prefix("0::"))?.trim();
+    let base = root.join("sys/fs/cgroup");
+    let mut room: Option<u64> = None;
+    let mut group = Path::new(path.trim_start_matches('/'));
+    loop {
+        let dir = base.join(group);
+        let max = read_opt(&dir.join("memory.max")).and_then(|m| m.trim().parse::<u64>().ok());
+        if let Some(max) = max {
+            let current = read_num(&dir.join("memory.current")).unwrap_or(0);
+            let here = max.saturating_sub(current);
+            room = Some(room.map_or(here, |r| r.min(here)));
+        }
+        match group.parent() {
+            Some(p) if group != Path::new("") => group = p,
+            _ => break,
+        }
+    }
+    room
+}
+
 /// Device-tree strings are NUL-terminated (and `compatible` is a NUL-separated list).
 fn dt_string(raw: &str) -> String {
     raw.trim_end_matches(['\0', '\n', ' ']).replace('\0', ",")
@@ -426,7 +458,12 @@ pub fn probe(root: &Path) -> Result<HardwareProfile, ProbeError> {
     let clusters: Vec<Cluster> = by_freq.into_iter().rev().map(|(max_khz, cpus)| Cluster { max_khz, cpus }).collect();
 
     let numa_nodes = dir_names(&root.join("sys/devices/system/node")).iter().filter(|n| numbered(n, "node")).count().max(1);
-    let (ram_total_bytes, ram_available_bytes) = read_opt(&root.join("proc/meminfo")).map(|t| parse_meminfo(&t)).unwrap_or((0, 0));
+    let (ram_total_bytes, mem_available) = read_opt(&root.join("proc/meminfo")).map(|t| parse_meminfo(&t)).unwrap_or((0, 0));
+    let cgroup_memory_room_bytes = cgroup_memory_room(root);
+    let ram_available_bytes = match cgroup_memory_room_bytes {
+        Some(room) if mem_available == 0 || room < mem_available => room,
+        _ => mem_available,
+    };
     let thermal_zones = dir_names(&root.join("sys/class/thermal")).iter().filter(|n| numbered(n, "thermal_zone")).count();
 
     let device_tree_model = read_opt(&root.join("proc/device-tree/model")).map(|s| dt_string(&s)).filter(|s| !s.is_empty());
@@ -460,6 +497,7 @@ pub fn probe(root: &Path) -> Result<HardwareProfile, ProbeError> {
         numa_nodes,
         ram_total_bytes,
         ram_available_bytes,
+        cgroup_memory_room_bytes,
         thermal_zones,
         is_jetson,
         is_raspberry_pi,

@@ -181,3 +181,45 @@ fn live_probe_does_not_fail() {
     assert!(p.n_logical >= 1 && p.n_physical >= 1);
     assert!(!p.thread_split().0.is_empty());
 }
+
+/// Copy the directory tree `from` into `to`.
+fn copy_tree(from: &Path, to: &Path) {
+    std::fs::create_dir_all(to).unwrap();
+    for e in std::fs::read_dir(from).unwrap() {
+        let e = e.unwrap();
+        let dest = to.join(e.file_name());
+        if e.file_type().unwrap().is_dir() {
+            copy_tree(&e.path(), &dest);
+        } else {
+            std::fs::copy(e.path(), dest).unwrap();
+        }
+    }
+}
+
+#[test]
+fn a_cgroup_memory_limit_lowers_the_available_memory() {
+    let root = temp_dir("cgroup");
+    let _ = std::fs::remove_dir_all(&root);
+    copy_tree(&fixture("rpi5"), &root);
+    let free = probe(&root).unwrap().ram_available_bytes;
+    assert!(free > 1 << 30, "the fixture has more than 1 GiB free");
+    std::fs::create_dir_all(root.join("proc/self")).unwrap();
+    std::fs::write(root.join("proc/self/cgroup"), "0::/system.slice/herald.service\n").unwrap();
+    let group = root.join("sys/fs/cgroup/system.slice/herald.service");
+    std::fs::create_dir_all(&group).unwrap();
+    // no limit anywhere: MemAvailable stands
+    std::fs::write(group.join("memory.max"), "max\n").unwrap();
+    let p = probe(&root).unwrap();
+    assert_eq!((p.ram_available_bytes, p.cgroup_memory_room_bytes), (free, None));
+    // MemoryMax=512M on the service, 100 MiB in use: 412 MiB left
+    std::fs::write(group.join("memory.max"), "536870912\n").unwrap();
+    std::fs::write(group.join("memory.current"), "104857600\n").unwrap();
+    let p = probe(&root).unwrap();
+    assert_eq!(p.cgroup_memory_room_bytes, Some(412 << 20));
+    assert_eq!(p.ram_available_bytes, 412 << 20);
+    // a tighter limit on the slice above wins
+    std::fs::write(root.join("sys/fs/cgroup/system.slice/memory.max"), "209715200\n").unwrap();
+    std::fs::write(root.join("sys/fs/cgroup/system.slice/memory.current"), "0\n").unwrap();
+    assert_eq!(probe(&root).unwrap().ram_available_bytes, 200 << 20);
+    std::fs::remove_dir_all(&root).unwrap();
+}
