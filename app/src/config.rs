@@ -72,9 +72,13 @@ pub const DEFAULT_CALIBRATION_DIR: &str = "/var/lib/herald/calibration";
 pub const QUEUE_LENGTH: RangeInclusive<usize> = 1..=64;
 /// `serve.max_connections`: connections per network front-end.
 pub const MAX_CONNECTIONS: RangeInclusive<usize> = 1..=1024;
-/// `serve.max_text_chars`: up to the longest text the engine takes
-/// (`engine::prompt::MAX_TEXT_CHARS`).
-pub const MAX_TEXT_CHARS: RangeInclusive<usize> = 1..=engine::prompt::MAX_TEXT_CHARS;
+/// `serve.max_text_chars`: up to the longest text herald reads
+/// (`engine::segment::MAX_LONG_TEXT_CHARS`).
+pub const MAX_TEXT_CHARS: RangeInclusive<usize> = 1..=engine::segment::MAX_LONG_TEXT_CHARS;
+/// `synthesis.segment_tokens`: from a few words to the hard limit of the largest KV capacity.
+pub const SEGMENT_TOKENS: RangeInclusive<usize> = 8..=5000;
+/// `synthesis.segment_pause_ms`: up to 5 s.
+pub const SEGMENT_PAUSE_MS: RangeInclusive<u32> = 0..=5000;
 /// `serve.request_timeout_s`.
 pub const REQUEST_TIMEOUT_S: RangeInclusive<u32> = 1..=600;
 /// `serve.idle_timeout_s`.
@@ -205,6 +209,12 @@ settings! {
     model: ModelConfig {
         /// The model bundle directory (holds `bundle.toml`, see [bundle.md](bundle.md)).
         bundle: PathBuf = PathBuf::from(DEFAULT_BUNDLE), FsPath("non-empty path"), cli bundle, flag "--bundle";
+        /// Check the SHA-256 of every bundle file that `bundle.toml` gives one for (the tokenizer
+        /// and the graphs) before loading, and refuse a bundle whose files were damaged or
+        /// replaced (exit 4, naming the file). It reads every byte once: about 2 s for a 0.6B
+        /// float32 bundle on a board with a fast SD card, more on a slow one. `herald info
+        /// --verify` does the same check on demand.
+        verify: bool = false, Flag;
     }
 
     /// The audio output: the ALSA device and how each utterance is shaped (gain, silences,
@@ -288,6 +298,16 @@ settings! {
         /// memory. It bounds the length of an utterance (4096 positions ≈ 5 minutes of speech) and
         /// the memory use (`herald info` prints the cost per position).
         kv_capacity: usize = 4096, Within(KV_CAPACITY), cli kv_capacity;
+        /// A long text is read in segments, cut at sentence boundaries (paragraphs, then `.` `!`
+        /// `?` `;` `。` `！` `？` and the like, never inside `45.6` or after `Mr.`; clauses, words
+        /// and characters only for a sentence too long for the KV cache; the rules are in
+        /// [reliability.md](reliability.md#long-texts)), spoken back to back into one output.
+        /// Sentences are packed into one segment up to this many text tokens; a text within it
+        /// is spoken in one pass. No segment is longer than what `kv_capacity` can hold
+        /// (`(kv_capacity - 56) / 11` tokens: 367 at 4096), whatever this says.
+        segment_tokens: usize = engine::segment::DEFAULT_SEGMENT_TOKENS, Within(SEGMENT_TOKENS);
+        /// Milliseconds of silence between two segments of a long text.
+        segment_pause_ms: u32 = 250, Within(SEGMENT_PAUSE_MS);
     }
 
     /// Compute threads, the stored calibration and the memory pools.
@@ -363,7 +383,9 @@ settings! {
         /// an `error` event `busy`, HTTP: 503) and closed.
         max_connections: usize = 16, Within(MAX_CONNECTIONS);
         /// The longest text a network request may carry, in characters (4096 is the OpenAI
-        /// speech API's limit); a longer one is refused with a message naming this key.
+        /// speech API's limit; up to 100,000, read in segments like any long text,
+        /// [reliability.md](reliability.md#long-texts)); a longer one is refused with a message
+        /// naming this key.
         max_text_chars: usize = 4096, Within(MAX_TEXT_CHARS);
         /// Seconds a request may take to arrive in full once its first byte came (a Wyoming
         /// event; an HTTP request's head and body); a slower client is disconnected. Also how
@@ -707,6 +729,8 @@ pub enum Raw {
     Float(f64),
     /// An array of integers.
     Ints(Vec<i128>),
+    /// A boolean.
+    Bool(bool),
     /// An empty environment value of an optional key: unset it.
     Unset,
 }
@@ -719,6 +743,7 @@ impl fmt::Display for Raw {
             Raw::Int(n) => write!(f, "{n}"),
             Raw::Float(v) => f.write_str(&render_f64(*v)),
             Raw::Ints(v) => f.write_str(&ints_text(v)),
+            Raw::Bool(b) => write!(f, "{b}"),
             Raw::Unset => f.write_str("\"\""),
         }
     }
@@ -735,6 +760,8 @@ pub enum Shape {
     Float,
     /// An array of integers (in text: comma-separated).
     Ints,
+    /// A boolean (in text: `true` or `false`).
+    Bool,
 }
 
 impl Shape {
@@ -745,6 +772,7 @@ impl Shape {
             Shape::Int => "an integer",
             Shape::Float => "a number",
             Shape::Ints => "an array of integers",
+            Shape::Bool => "true or false",
         }
     }
 
@@ -756,6 +784,7 @@ impl Shape {
             (Shape::Int, V::Integer(n)) => Some(Raw::Int((*n).into())),
             (Shape::Float, V::Float(x)) => Some(Raw::Float(*x)),
             (Shape::Float, V::Integer(n)) => Some(Raw::Float(*n as f64)),
+            (Shape::Bool, V::Boolean(b)) => Some(Raw::Bool(*b)),
             (Shape::Ints, V::Array(a)) => a.iter().map(|x| x.as_integer().map(i128::from)).collect::<Option<Vec<_>>>().map(Raw::Ints),
             _ => None,
         }
@@ -768,6 +797,11 @@ impl Shape {
             Shape::Str => Ok(Raw::Str(raw.to_string())),
             Shape::Int => int(raw).map(Raw::Int).map_err(|_| (quoted(raw), format!("is not {}", self.expected()))),
             Shape::Float => raw.trim().parse::<f64>().map(Raw::Float).map_err(|_| (quoted(raw), "is not a number".to_string())),
+            Shape::Bool => match raw.trim() {
+                "true" => Ok(Raw::Bool(true)),
+                "false" => Ok(Raw::Bool(false)),
+                _ => Err((quoted(raw), format!("is not {}", self.expected()))),
+            },
             Shape::Ints => {
                 let inner = raw.trim();
                 let inner = inner.strip_prefix('[').and_then(|i| i.strip_suffix(']')).unwrap_or(inner).trim();
@@ -823,6 +857,33 @@ impl Setting for PathBuf {
     }
     fn to_toml(&self) -> Option<toml::Value> {
         Some(toml::Value::String(self.to_string_lossy().into_owned()))
+    }
+}
+
+impl Setting for bool {
+    const SHAPE: Shape = Shape::Bool;
+    const DOC_TYPE: &'static str = "boolean";
+    type Given = bool;
+    fn given(g: &bool) -> Raw {
+        Raw::Bool(*g)
+    }
+    fn to_toml(&self) -> Option<toml::Value> {
+        Some(toml::Value::Boolean(*self))
+    }
+}
+
+/// `true` or `false`.
+struct Flag;
+
+impl Rule<bool> for Flag {
+    fn check(&self, raw: Raw, _: Option<&Path>) -> Result<bool, Bad> {
+        match raw {
+            Raw::Bool(b) => Ok(b),
+            other => wrong_shape(other, Shape::Bool),
+        }
+    }
+    fn allowed(&self) -> String {
+        "`true`, `false`".into()
     }
 }
 
@@ -2050,7 +2111,10 @@ mod tests {
         let c = load_text("rt-src.toml", "[audio]\nvolume = 0.1\n").unwrap();
         assert!(c.to_string().contains("volume = 0.1  # from "), "{c}");
         let printed = Config::default().to_toml();
-        assert!(printed.starts_with("[model]\nbundle = \"/usr/share/herald/bundles/default\"\n\n[audio]\n"), "{printed}");
+        assert!(
+            printed.starts_with("[model]\nbundle = \"/usr/share/herald/bundles/default\"\nverify = false\n\n[audio]\n"),
+            "{printed}"
+        );
         assert!(printed.contains("\nvolume = 1.0\n"), "{printed}");
         assert!(printed.contains("\n# speaker: not set\n"), "{printed}");
         assert!(printed.contains("\nramp = [2, 4, 8, 16, 25]\n"), "{printed}");

@@ -4,7 +4,7 @@
 use std::time::Duration;
 
 use engine::prompt::PromptMode;
-use service::{AmpSettings, OutputSettings, Seeding, SpeakerSettings, Voice};
+use service::{AmpSettings, OutputSettings, Reading, Seeding, SpeakerSettings, Voice};
 
 use crate::config::{ActiveLevel, Config, SynthesisMode};
 
@@ -32,5 +32,6 @@ pub fn settings(cfg: &Config, plays: bool) -> SpeakerSettings {
         active_low: a.active == ActiveLevel::Low,
         lead: Duration::from_millis(a.lead_ms.into()),
     });
-    SpeakerSettings { voice, amplifier, output: OutputSettings { shaper: cfg.shaper_settings(), alsa: cfg.alsa_settings() } }
+    let reading = Reading { segment_tokens: s.segment_tokens, pause: Duration::from_millis(s.segment_pause_ms.into()) };
+    SpeakerSettings { voice, amplifier, output: OutputSettings { shaper: cfg.shaper_settings(), alsa: cfg.alsa_settings() }, reading }
 }

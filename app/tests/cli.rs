@@ -108,6 +108,133 @@ fn text_from_stdin_and_shaping_from_the_config() {
     assert_eq!(o.stdout, o2.stdout);
 }
 
+/// A copy of the tiny bundle (graphs linked) whose talker stops after `frames` frames:
+/// tiny random models never emit eos, and a long text must stay quick to speak.
+fn bundle_capped(d: &std::path::Path, frames: u32) -> PathBuf {
+    let b = bundle();
+    let out = d.join("bundle");
+    std::fs::create_dir_all(&out).unwrap();
+    for e in std::fs::read_dir(&b).unwrap() {
+        let e = e.unwrap();
+        if e.file_name() != "bundle.toml" {
+            std::os::unix::fs::symlink(e.path(), out.join(e.file_name())).unwrap();
+        }
+    }
+    let toml = std::fs::read_to_string(b.join("bundle.toml")).unwrap();
+    assert!(toml.contains("max_new_tokens = 8192"));
+    std::fs::write(out.join("bundle.toml"), toml.replace("max_new_tokens = 8192", &format!("max_new_tokens = {frames}"))).unwrap();
+    out
+}
+
+#[test]
+fn a_50000_character_text_from_stdin_is_read_as_one_stream() {
+    let d = tmp("long");
+    let b = bundle_capped(&d, 3);
+    let sentences = [
+        "The council met on Tuesday at 7.30 p.m. to discuss the budget of 45.6 million euros.",
+        "Dr. Müller said the new bridge would open in spring, weather permitting!",
+        "Der Bericht umfasst zwölf Kapitel, und jedes endet mit einer Zusammenfassung.",
+        "会议将在下午三点开始。请大家准时参加，谢谢！",
+        "Le projet avance bien; la deuxième phase commence en mai.",
+        "Was it worth it? Everyone agreed it was.",
+    ];
+    let mut text = String::new();
+    let mut p = 0;
+    while text.chars().count() < 50_000 {
+        for (i, s) in sentences.iter().enumerate() {
+            text.push_str(s);
+            text.push(if i % 2 == 0 { ' ' } else { '\n' });
+        }
+        p += 1;
+        if p % 3 == 0 {
+            text.push('\n');
+        }
+    }
+    assert!(text.chars().count() >= 50_000);
+    let wav = d.join("long.wav");
+    let o = herald(
+        &["speak", "--bundle", b.to_str().unwrap(), "--greedy", "--out", wav.to_str().unwrap()],
+        &[("RUST_LOG", "info")],
+        Some(text.as_bytes()),
+    );
+    let e = stderr(&o);
+    assert!(o.status.success(), "{e}");
+    // "segment i of n spoken" once per segment, in order
+    let done: Vec<(usize, usize)> = e
+        .lines()
+        .filter_map(|l| {
+            let rest = &l[l.find("segment ")? + 8..];
+            let (i, rest) = rest.split_once(" of ")?;
+            let (n, _) = rest.split_once(" spoken")?;
+            Some((i.parse().ok()?, n.parse().ok()?))
+        })
+        .collect();
+    let n = done.len();
+    assert!(n > 100, "{n} segments");
+    assert!(done.iter().enumerate().all(|(i, &(k, m))| k == i + 1 && m == n), "every segment once, in order");
+    let frames: usize = e
+        .lines()
+        .filter(|l| l.contains("herald::cmd::speak"))
+        .find_map(|l| l.split_once(" frames (").and_then(|(a, _)| a.rsplit(' ').next()?.parse().ok()))
+        .expect("the summary line");
+    assert!(frames >= 2 * n && frames <= 3 * n, "{frames} frames for {n} segments");
+    // one WAV: every segment's frames and a 250 ms pause (the default) between two segments
+    let bytes = std::fs::read(&wav).unwrap();
+    let (rate, channels, bits, data) = parse_wav(&bytes);
+    assert_eq!((rate, channels, bits), (24_000, 1, 16));
+    assert_eq!(data.len() / 2, frames * 1920 + (n - 1) * 6000);
+}
+
+#[test]
+fn a_text_over_100000_characters_is_refused_naming_the_limit() {
+    let over = "a".repeat(100_001);
+    let o = herald(&["speak", "--bundle", bundle().to_str().unwrap(), "--raw"], &[], Some(over.as_bytes()));
+    common::assert_one_error_line(&o, 2, "100000 characters");
+    assert!(o.stdout.is_empty(), "nothing was spoken");
+}
+
+/// A copy of the tiny bundle (real copies: the test damages them).
+fn bundle_copy(d: &std::path::Path) -> PathBuf {
+    let out = d.join("bundle");
+    std::fs::create_dir_all(&out).unwrap();
+    for e in std::fs::read_dir(bundle()).unwrap() {
+        let e = e.unwrap();
+        std::fs::copy(e.path(), out.join(e.file_name())).unwrap();
+    }
+    out
+}
+
+#[test]
+fn damaged_bundle_files_are_named_and_refused_with_exit_4() {
+    let d = tmp("damaged");
+    let b = bundle_copy(&d);
+    let bs = b.to_str().unwrap();
+    let o = herald(&["info", "--bundle", bs, "--verify"], &[], None);
+    assert!(o.status.success(), "{}", stderr(&o));
+    assert!(String::from_utf8_lossy(&o.stdout).contains("SHA-256 as in bundle.toml"));
+    // one byte changed, same length: only the checksum sees it
+    let talker = b.join("talker.onnx");
+    let mut bytes = std::fs::read(&talker).unwrap();
+    let mid = bytes.len() / 2;
+    bytes[mid] ^= 0x55;
+    std::fs::write(&talker, &bytes).unwrap();
+    let o = herald(&["info", "--bundle", bs, "--verify"], &[], None);
+    common::assert_one_error_line(&o, 4, "talker.onnx");
+    assert!(stderr(&o).contains("damaged or was replaced"), "{}", stderr(&o));
+    let wav = d.join("x.wav");
+    let o = herald(&["speak", "Hello.", "--bundle", bs, "--out", wav.to_str().unwrap()], &[("HERALD_MODEL_VERIFY", "true")], None);
+    common::assert_one_error_line(&o, 4, "talker.onnx");
+    assert!(!wav.exists(), "nothing written");
+    // a graph replaced by an empty file: named, exit 4, with or without verification
+    std::fs::write(b.join("code_predictor.onnx"), b"").unwrap();
+    for verify in ["true", "false"] {
+        let o = herald(&["speak", "Hello.", "--bundle", bs, "--out", wav.to_str().unwrap()], &[("HERALD_MODEL_VERIFY", verify)], None);
+        assert_eq!(o.status.code(), Some(4), "verify={verify}: {}", stderr(&o));
+        assert!(stderr(&o).contains("code_predictor.onnx"), "verify={verify}: {}", stderr(&o));
+        assert!(!wav.exists(), "nothing written");
+    }
+}
+
 #[test]
 fn documented_exit_codes_with_one_line_reasons() {
     let b = bundle();
@@ -150,7 +277,7 @@ fn documented_exit_codes_with_one_line_reasons() {
     // and leaves no temporary file (board::fsutil names them `.keep.wav.<random>.tmp`)
     assert!(!std::fs::read_dir(&d).unwrap().any(|e| e.unwrap().file_name().to_string_lossy().starts_with(".keep.wav.")));
     // standard input is read only up to what a text may hold
-    let huge = vec![b'a'; 200_000];
+    let huge = vec![b'a'; 500_000];
     check(herald(&["speak", "-", "--bundle", bs, "--out", "/dev/null"], &[], Some(&huge)), 2, "longer than the longest text");
     // a text that does not fit the KV cache is spoken as far as it fits, then exit 2 naming the key
     let words = "word ".repeat(60);

@@ -32,6 +32,59 @@ pub fn read_manifest(dir: &Path) -> Result<Manifest, ManifestError> {
     Ok(m)
 }
 
+/// One file [`verify`] checked.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Verified {
+    /// The file name inside the bundle.
+    pub file: String,
+    /// Its size, bytes.
+    pub bytes: u64,
+}
+
+/// Check the SHA-256 of every file of the bundle in `dir` that `manifest` gives one for (the
+/// tokenizer and each graph), reading each file once in 1 MiB blocks. The tables have no
+/// checksum in `bundle.toml` (their shapes are checked when they are mapped).
+///
+/// # Errors
+/// [`ManifestError::Io`] naming a file that cannot be read; [`ManifestError::Invalid`] naming a
+/// file whose SHA-256 differs from the manifest's (damaged, truncated or replaced).
+pub fn verify(dir: &Path, manifest: &Manifest) -> Result<Vec<Verified>, ManifestError> {
+    use sha2::{Digest, Sha256};
+    use std::io::Read;
+    let mut files: Vec<(&str, &str)> = vec![(manifest.tokenizer.file.as_str(), manifest.tokenizer.sha256.as_str())];
+    files.extend(manifest.graphs.values().map(|g| (g.file.as_str(), g.sha256.as_str())));
+    let mut out = Vec::with_capacity(files.len());
+    let mut buf = vec![0u8; 1 << 20];
+    for (file, want) in files {
+        let path = dir.join(file);
+        let io = |source| ManifestError::Io { path: path.clone(), source };
+        let mut f = std::fs::File::open(&path).map_err(io)?;
+        let mut hash = Sha256::new();
+        let mut bytes = 0u64;
+        loop {
+            let n = match f.read(&mut buf) {
+                Ok(0) => break,
+                Ok(n) => n,
+                Err(e) if e.kind() == std::io::ErrorKind::Interrupted => continue,
+                Err(e) => return Err(io(e)),
+            };
+            hash.update(&buf[..n]);
+            bytes += n as u64;
+        }
+        let got: String = hash.finalize().iter().map(|b| format!("{b:02x}")).collect();
+        if !got.eq_ignore_ascii_case(want.trim()) {
+            return Err(ManifestError::Invalid {
+                path,
+                message: format!(
+                    "SHA-256 is {got} ({bytes} bytes), bundle.toml says {want}: the file is damaged or was replaced; copy the bundle again"
+                ),
+            });
+        }
+        out.push(Verified { file: file.to_owned(), bytes });
+    }
+    Ok(out)
+}
+
 /// Load `dir/<tokenizer.file>` and build the prompter over it ([`Prompter::with_tokenizer`]).
 ///
 /// # Errors

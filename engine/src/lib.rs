@@ -18,11 +18,11 @@ pub mod settings;
 pub mod tables;
 pub mod vocoder;
 
-pub use bundle::{Bundle, read_manifest, read_prompter, shared_prompter};
+pub use bundle::{Bundle, Verified, read_manifest, read_prompter, shared_prompter, verify};
 pub use error::EngineError;
 pub use pipeline::{Engine, PcmChunk, Report, StageMemory};
 pub use settings::{DEFAULT_POOL_BYTES, EngineSettings, Request, StopReason};
 
 // The model types the engine's API speaks in (a request's prompt mode, a bundle's manifest, a
 // report's playback metrics), so a caller of the engine needs no second import path for them.
-pub use model::{Manifest, ManifestError, PlaybackMetrics, manifest, prompt};
+pub use model::{Manifest, ManifestError, PlaybackMetrics, manifest, prompt, segment};

@@ -6,7 +6,8 @@
 //! - [`frame`], [`dtype`]: frame constants and the element type;
 //! - [`footprint`]: parameters per step, KV bytes per position, what a bundle needs in memory;
 //! - [`kv`]: ring slots, masks and RoPE angles of the host-owned KV caches;
-//! - [`prompt`]: the prompt layout over a loaded tokenizer;
+//! - [`prompt`]: the prompt layout over a loaded tokenizer; [`segment`]: long texts cut into
+//!   segments at sentence boundaries;
 //! - [`sampler`]: logits processors and sampling (the reference decoder's contract);
 //! - [`schedule`]: the vocoder's chunk schedule;
 //! - [`metrics`], [`stats`]: playback metrics of a chunk timeline, timing counters, the median;
@@ -22,6 +23,7 @@ pub mod metrics;
 pub mod prompt;
 pub mod sampler;
 pub mod schedule;
+pub mod segment;
 pub mod stats;
 
 pub use dtype::Dtype;

@@ -42,7 +42,7 @@ pub enum ManifestError {
     /// The manifest is well-formed but describes something this build cannot run.
     #[error("{path}: {message}")]
     Invalid {
-        /// The manifest file.
+        /// The manifest file (for a file whose checksum does not match: that file).
         path: PathBuf,
         /// What is wrong, naming the key.
         message: String,

@@ -346,6 +346,14 @@ impl Prompter {
         Ok((role, ids[ROLE_TOKENS..ids.len() - CLOSING_TOKENS].to_vec()))
     }
 
+    /// How many tokens the bundle's tokenizer makes of `text` alone (no chat wrapping, after
+    /// [`clean_text`]): what [`crate::segment`] measures segments in. When the tokenizer fails,
+    /// the UTF-8 length, an upper bound for a byte-level BPE (every token covers a byte or more).
+    pub fn count_tokens(&self, text: &str) -> usize {
+        let text = clean_text(text);
+        self.tokenizer.encode_fast(text.as_ref(), false).map_or(text.len(), |e| e.get_ids().len())
+    }
+
     /// The text's own token ids (reference.py `tokenize`).
     ///
     /// # Errors

@@ -31,8 +31,9 @@ pub const FIFO_MODE: u32 = 0o620;
 /// How often the read loop wakes up to check for a stop and to prove it is alive, ms.
 const POLL_MS: i32 = 200;
 
-/// The longest line accepted, in bytes: the longest text the engine takes, 4 bytes a character.
-pub const MAX_LINE_BYTES: usize = engine::prompt::MAX_TEXT_CHARS * 4;
+/// The longest line accepted, in bytes: the longest text herald reads
+/// ([`engine::segment::MAX_LONG_TEXT_CHARS`]), 4 bytes a character.
+pub const MAX_LINE_BYTES: usize = engine::segment::MAX_LONG_TEXT_CHARS * 4;
 
 /// Errors of the FIFO (the path is the one given with `--fifo`).
 #[derive(Debug, thiserror::Error)]
@@ -266,7 +267,7 @@ pub fn serve(
                 Line::TooLong(number, bytes) => {
                     log::error!(
                         "line {number}: {bytes} bytes, longer than the longest text herald accepts ({} characters); skipped",
-                        engine::prompt::MAX_TEXT_CHARS
+                        engine::segment::MAX_LONG_TEXT_CHARS
                     );
                     served.skipped += 1;
                     continue;

@@ -11,7 +11,8 @@
 //! - Front-ends call only the above: [`fifo`] today (`herald serve`); a Wyoming or HTTP server
 //!   goes beside it as another module.
 //! - [`notify`]: systemd's sd_notify(3) and the watchdog; [`output`]: the sinks and atomic file
-//!   writes.
+//!   writes; [`lookahead`]: the player thread that lets a long text's next segment be computed
+//!   while the last one plays.
 //!
 //! Nothing here knows the application's configuration: the settings are plain structs
 //! ([`SpeakerSettings`]) that the binary fills from its configuration in one function.
@@ -21,6 +22,7 @@ pub mod fifo;
 pub mod front;
 pub mod http;
 pub mod listen;
+pub mod lookahead;
 pub mod notify;
 pub mod output;
 pub mod queue;
@@ -33,7 +35,8 @@ pub use front::{Front, FrontSettings, RequestError, Slot, VoiceInfo};
 pub use output::{AtomicFile, OutputSettings, Target, write_atomic};
 pub use queue::{JobHandle, Outcome, Perform, Queue, Refused};
 pub use speaker::{
-    AmpSettings, Job, JobError, Preparing, Seeding, ServiceError, Speaker, SpeakerSettings, Spoken, Voice, check, check_in,
+    AmpSettings, Job, JobError, Preparing, Reading, Seeding, ServiceError, Speaker, SpeakerSettings, Spoken, Voice, check, check_in,
+    plan,
 };
 
 /// An error and its causes on one line, skipping a cause whose text its parent already shows

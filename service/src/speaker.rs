@@ -8,12 +8,13 @@
 
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use board::audio::{AudioSink, SinkError, SinkStats};
 use board::gpio::{AmpSink, LineAmplifier};
-use engine::prompt::{PromptError, PromptMode, Prompter};
-use engine::{Engine, EngineError, EngineSettings, Manifest, Report, Request};
+use engine::prompt::{PromptError, PromptMode, Prompter, clean_text};
+use engine::segment::{MAX_LONG_TEXT_CHARS, SegmentLimits};
+use engine::{Engine, EngineError, EngineSettings, Manifest, PlaybackMetrics, Report, Request, StopReason};
 
 use crate::cancel::{Cancel, Stop};
 use crate::output::{OutputSettings, Target};
@@ -80,13 +81,79 @@ impl Voice {
     }
 }
 
+/// How a long text is read ([`engine::segment`]): cut at sentence boundaries into segments that
+/// are spoken back to back into one output, with a pause between them.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Reading {
+    /// Sentences are packed into one segment up to this many text tokens
+    /// (`synthesis.segment_tokens`); a text within it is spoken in one pass, as it is.
+    pub segment_tokens: usize,
+    /// Digital silence between two segments (`synthesis.segment_pause_ms`).
+    pub pause: Duration,
+}
+
+/// Default [`Reading::segment_tokens`] ([`engine::segment::DEFAULT_SEGMENT_TOKENS`]).
+pub use engine::segment::DEFAULT_SEGMENT_TOKENS;
+
+/// Default [`Reading::pause`]: 250 ms, about the pause a reader makes between sentences.
+pub const DEFAULT_SEGMENT_PAUSE: Duration = Duration::from_millis(250);
+
+impl Default for Reading {
+    fn default() -> Self {
+        Reading { segment_tokens: DEFAULT_SEGMENT_TOKENS, pause: DEFAULT_SEGMENT_PAUSE }
+    }
+}
+
+/// Seconds of audio a long text's player may hold ahead of the speaker ([`crate::lookahead`]).
+pub const LOOKAHEAD_SECONDS: usize = 30;
+
+/// The requests `request` is spoken as, in order: itself when its text is within
+/// `limits.target_tokens` (spoken exactly as given), else one per segment
+/// ([`engine::segment::segments`] of the cleaned text), each with the request's voice, mode,
+/// seed and frame limits. Every segment is checked against the prompt layout; a segment with
+/// nothing to say (only invisible characters) is left out.
+///
+/// # Errors
+/// [`PromptError::TextTooLong`] over [`MAX_LONG_TEXT_CHARS`]; otherwise the [`PromptError`] of
+/// the text (empty, blank) or the voice (unknown language or speaker).
+pub fn plan(prompter: &Prompter, request: &Request, limits: SegmentLimits) -> Result<Vec<Request>, PromptError> {
+    let chars = request.text.chars().count();
+    if chars > MAX_LONG_TEXT_CHARS {
+        return Err(PromptError::TextTooLong { chars, limit: MAX_LONG_TEXT_CHARS });
+    }
+    let layout = |r: &Request| prompter.layout(&r.text, r.language.as_deref(), r.speaker.as_deref(), r.mode).map(|_| ());
+    let text = clean_text(&request.text);
+    let ranges = engine::segment::segments(&text, limits, &mut |s| prompter.count_tokens(s));
+    if ranges.len() <= 1 {
+        layout(request)?;
+        return Ok(vec![request.clone()]);
+    }
+    let mut parts = Vec::with_capacity(ranges.len());
+    let mut first_error = None;
+    for r in ranges {
+        let part = Request { text: text[r].to_owned(), ..request.clone() };
+        match layout(&part) {
+            Ok(()) => parts.push(part),
+            Err(e @ (PromptError::BlankText | PromptError::NoTokens { .. })) => {
+                first_error.get_or_insert(e);
+            }
+            Err(e) => return Err(e),
+        }
+    }
+    match first_error {
+        Some(e) if parts.is_empty() => Err(e),
+        _ => Ok(parts),
+    }
+}
+
 /// Check `request`'s text and voice against the bundle's prompt layout, before any device or
-/// model work.
+/// model work: [`plan`] with the default [`Reading`] and KV capacity.
 ///
 /// # Errors
 /// The [`PromptError`] of the text (empty, too long) or the voice (unknown language or speaker).
 pub fn check(prompter: &Prompter, request: &Request) -> Result<(), PromptError> {
-    prompter.layout(&request.text, request.language.as_deref(), request.speaker.as_deref(), request.mode).map(|_| ())
+    let limits = SegmentLimits::new(DEFAULT_SEGMENT_TOKENS, EngineSettings::default().kv_capacity);
+    plan(prompter, request, limits).map(|_| ())
 }
 
 /// Check `request` against the bundle in `dir` without loading its graphs (only the tokenizer).
@@ -122,6 +189,8 @@ pub struct SpeakerSettings {
     pub amplifier: Option<AmpSettings>,
     /// The settings of every sink the speaker makes ([`Target::open`]).
     pub output: OutputSettings,
+    /// How long texts are cut and read.
+    pub reading: Reading,
 }
 
 /// Errors of starting a [`Speaker`].
@@ -242,6 +311,8 @@ pub struct Speaker {
     amp: Option<LineAmplifier>,
     settings: SpeakerSettings,
     stop: Stop,
+    /// Segment lengths for this engine's KV capacity.
+    limits: SegmentLimits,
 }
 
 impl Speaker {
@@ -288,6 +359,14 @@ impl Speaker {
         self.settings.voice.request(text)
     }
 
+    /// The requests `request` is spoken as ([`plan`] with this speaker's segment limits).
+    ///
+    /// # Errors
+    /// As [`plan`].
+    pub fn plan(&self, request: &Request) -> Result<Vec<Request>, PromptError> {
+        plan(&self.engine.bundle().prompter, request, self.limits)
+    }
+
     /// Check that the bundle knows the voice's language and speaker (a voice it lacks would
     /// fail every job).
     ///
@@ -315,21 +394,26 @@ impl Speaker {
         // from here a stop cancels the job: it is still spoken as far as it got (nothing) and
         // its output finished, like a job stopped mid-way
         let _running = self.stop.guard(&cancel);
-        check(&self.engine.bundle().prompter, &request).map_err(EngineError::Prompt)?;
+        let parts = self.plan(&request).map_err(EngineError::Prompt)?;
         let plays = target.plays();
         let sink = target.open(&self.settings.output)?;
         let rate = self.sample_rate();
         let engine = &self.engine;
-        let play = |sink: &mut dyn AudioSink| -> Result<Spoken, JobError> {
+        let pause = (self.settings.reading.pause.as_secs_f64() * f64::from(rate)).round() as usize;
+        let play = |sink: &mut (dyn AudioSink + Send)| -> Result<Spoken, JobError> {
             sink.begin(rate)?;
             if let Some(f) = on_begin {
                 f(&request);
             }
-            synthesize_into(engine, &request, &cancel, sink, &mut || {
+            let mut beat = || {
                 if let Some(f) = on_chunk.as_mut() {
                     f();
                 }
-            })
+            };
+            match parts.as_slice() {
+                [one] => synthesize_into(engine, one, &cancel, sink, &mut beat),
+                _ => read_into(engine, &parts, pause, &cancel, sink, &mut beat),
+            }
         };
         match self.amp.take() {
             Some(amp) if plays => {
@@ -389,7 +473,8 @@ impl Preparing {
     pub fn load(self, dir: &Path, settings: &EngineSettings) -> Result<Speaker, ServiceError> {
         let engine = Engine::load(dir, &backend_tract::Tract, settings)
             .map_err(|source| ServiceError::Bundle { dir: dir.to_owned(), source })?;
-        Ok(Speaker { engine, amp: self.amp, settings: self.settings, stop: self.stop })
+        let limits = SegmentLimits::new(self.settings.reading.segment_tokens, settings.kv_capacity);
+        Ok(Speaker { engine, amp: self.amp, settings: self.settings, stop: self.stop, limits })
     }
 }
 
@@ -428,7 +513,7 @@ fn synthesize_into(
     engine: &Engine,
     request: &Request,
     cancel: &Cancel,
-    sink: &mut dyn AudioSink,
+    sink: &mut (dyn AudioSink + Send),
     beat: &mut dyn FnMut(),
 ) -> Result<Spoken, JobError> {
     let mut sink_err: Option<SinkError> = None;
@@ -456,4 +541,97 @@ fn synthesize_into(
     let stats = sink.finish()?;
     beat();
     Ok(Spoken { report, stats })
+}
+
+/// Read the segments `parts` of one long text into `sink` (already begun), back to back with
+/// `pause` samples of silence between them, calling `beat` for every chunk, and finish the sink,
+/// also after a cancel; on an error the sink is aborted. A segment that fills the KV cache
+/// ([`StopReason::Capacity`]) ends the reading there. A player thread writes the audio from a
+/// queue of up to [`LOOKAHEAD_SECONDS`] ([`crate::lookahead::play_ahead`]), so the next
+/// segment's prefill runs while the last one still plays.
+fn read_into(
+    engine: &Engine,
+    parts: &[Request],
+    pause: usize,
+    cancel: &Cancel,
+    sink: &mut (dyn AudioSink + Send),
+    beat: &mut dyn FnMut(),
+) -> Result<Spoken, JobError> {
+    let t0 = Instant::now();
+    let m = &engine.bundle().manifest.audio;
+    let capacity = LOOKAHEAD_SECONDS * m.sample_rate as usize;
+    let frame_seconds = f64::from(m.samples_per_frame) / f64::from(m.sample_rate);
+    let (read, failed) = crate::lookahead::play_ahead(sink, capacity, cancel, |feed| -> Result<Option<Report>, JobError> {
+        let mut whole: Option<Report> = None;
+        for (i, part) in parts.iter().enumerate() {
+            if i > 0 && pause > 0 && feed.silence(pause).is_err() {
+                return Ok(None);
+            }
+            let offset = t0.elapsed().as_secs_f64();
+            let spoken = engine.synthesize(part, cancel.flag(), |chunk| {
+                beat();
+                feed.push(chunk.samples)
+            });
+            match spoken {
+                // a segment the KV cache could not hold (a capacity below what segments need):
+                // the text is read as far as it fits, as a single pass would be
+                Ok(report) if report.stop == StopReason::Capacity => {
+                    append(&mut whole, report, offset);
+                    break;
+                }
+                Ok(report) => append(&mut whole, report, offset),
+                // a cancel, or the player stopped (its error is `failed`)
+                Err(EngineError::Cancelled) => return Ok(None),
+                Err(e) => return Err(JobError::Engine(e)),
+            }
+            log::info!("segment {} of {} spoken ({} characters)", i + 1, parts.len(), part.text.chars().count());
+        }
+        Ok(whole.map(|mut r| {
+            r.playback = PlaybackMetrics::from_chunks(&r.chunk_times, frame_seconds);
+            r
+        }))
+    });
+    if let Some(e) = failed {
+        sink.abort();
+        return Err(JobError::Sink(e));
+    }
+    let report = match read {
+        Ok(r) => r,
+        Err(e) => {
+            sink.abort();
+            return Err(e);
+        }
+    };
+    if report.is_none() && !cancel.is_cancelled() {
+        sink.abort();
+        return Err(JobError::Engine(EngineError::Internal("a segment stopped without a cancel or an error".into())));
+    }
+    let stats = sink.finish()?;
+    beat();
+    Ok(Spoken { report, stats })
+}
+
+/// Add the report of the segment that started `offset` seconds after the job to `whole`: frames,
+/// samples and chunks add up, chunk times move onto the job's clock, the stop reason is the last
+/// segment's unless an earlier one ran out of KV capacity.
+fn append(whole: &mut Option<Report>, mut next: Report, offset: f64) {
+    for c in &mut next.chunk_times {
+        c.0 += offset;
+    }
+    next.ttfa += offset;
+    next.total += offset;
+    match whole {
+        None => *whole = Some(next),
+        Some(w) => {
+            w.frames += next.frames;
+            w.samples += next.samples;
+            w.chunks += next.chunks;
+            w.chunk_times.extend_from_slice(&next.chunk_times);
+            w.total = next.total;
+            if w.stop != StopReason::Capacity {
+                w.stop = next.stop;
+            }
+            w.memory = next.memory;
+        }
+    }
 }

@@ -5,12 +5,13 @@
 
 use std::path::{Path, PathBuf};
 use std::process::Command;
-use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
 
-use board::audio::{NullSink, ShaperSettings};
-use engine::EngineSettings;
-use service::{Job, JobError, OutputSettings, Queue, Refused, Seeding, Speaker, SpeakerSettings, Stop, Target, Voice};
+use board::audio::{AudioSink, NullSink, SampleFormat, ShaperSettings, SinkError, SinkStats};
+use engine::{EngineSettings, Request};
+use service::{Job, JobError, OutputSettings, Queue, Reading, Refused, Seeding, Speaker, SpeakerSettings, Stop, Target, Voice};
 
 /// The tiny bundle: from HERALD_TEST_BUNDLES (scripts/test exports it), else exported once
 /// into the target's temporary folder.
@@ -32,8 +33,12 @@ fn bundle() -> PathBuf {
 }
 
 fn speaker(stop: &Stop) -> Speaker {
+    speaker_reading(stop, Reading::default())
+}
+
+fn speaker_reading(stop: &Stop, reading: Reading) -> Speaker {
     let voice = Voice { language: "auto".into(), speaker: None, mode: Default::default(), seeding: Seeding::fixed(5) };
-    let settings = SpeakerSettings { voice, amplifier: None, output: OutputSettings::default() };
+    let settings = SpeakerSettings { voice, amplifier: None, output: OutputSettings::default(), reading };
     let settings_engine = EngineSettings { kv_capacity: 1024, ..EngineSettings::default() };
     Speaker::prepare(settings, stop.clone()).unwrap().load(&bundle(), &settings_engine).unwrap()
 }
@@ -103,4 +108,118 @@ fn a_failing_job_leaves_the_worker_speaking_and_the_stop_ends_everything() {
     assert!(running.wait().unwrap().report.is_none());
     assert!(matches!(waiting.wait(), Err(JobError::Cancelled)));
     assert!(matches!(q.try_submit(Job::new(fine, null())), Err(Refused::Stopped(_))));
+}
+
+/// Keeps every sample it is given, unshaped, where the test can read it after the job.
+struct Capture(Arc<Mutex<Vec<f32>>>);
+
+impl AudioSink for Capture {
+    fn begin(&mut self, _: u32) -> Result<(), SinkError> {
+        Ok(())
+    }
+    fn write(&mut self, samples: &[f32]) -> Result<(), SinkError> {
+        self.0.lock().unwrap().extend_from_slice(samples);
+        Ok(())
+    }
+    fn finish(&mut self) -> Result<SinkStats, SinkError> {
+        let n = self.0.lock().unwrap().len() as u64;
+        Ok(SinkStats {
+            input_samples: n,
+            frames_written: n,
+            xruns: 0,
+            device_rate: 24_000,
+            channels: 1,
+            format: SampleFormat::F32,
+            period_frames: 0,
+            buffer_frames: 0,
+            resampled: false,
+        })
+    }
+    fn abort(&mut self) {}
+}
+
+/// Speak `request` on `s` into a [`Capture`]; the samples and the report's frames.
+fn capture(s: &mut Speaker, request: Request) -> (Vec<f32>, usize) {
+    let got = Arc::new(Mutex::new(Vec::new()));
+    let target = Target::Sink { sink: Box::new(Capture(Arc::clone(&got))), plays: false };
+    let spoken = s.speak(Job::new(request, target)).unwrap();
+    let frames = spoken.report.expect("spoken to the end").frames;
+    let samples = std::mem::take(&mut *got.lock().unwrap());
+    assert_eq!(spoken.stats.input_samples, samples.len() as u64);
+    (samples, frames)
+}
+
+/// English, German, Chinese and French sentences, a number with a decimal point, an
+/// abbreviation and a paragraph break.
+const MIXED: &str = "The first sentence is in English, and it carries the number 45.6 inside. Mr. Smith reads the second one! \
+    Der dritte Satz ist auf Deutsch, bitte sehr. 这是第四句话。这是第五句，很短。\n\n\
+    A new paragraph starts here. Et voilà, la fin du texte en français.";
+
+#[test]
+fn a_long_text_is_its_segments_spoken_alone_back_to_back_with_the_pause_between() {
+    let stop = Stop::new();
+    let pause = Duration::from_millis(100);
+    let mut s = speaker_reading(&stop, Reading { segment_tokens: 14, pause });
+    // greedy, a few frames per segment (tiny models do not stop by themselves)
+    let request = Request { seed: None, max_frames: Some(4), ..s.request(MIXED) };
+    let parts = s.plan(&request).unwrap();
+    let texts: Vec<&str> = parts.iter().map(|p| p.text.as_str()).collect();
+    assert!(parts.len() >= 5, "{texts:?}");
+    assert!(texts.iter().any(|t| t.contains("45.6")) && texts.iter().any(|t| t.contains("Mr. Smith")), "{texts:?}");
+    assert!(texts.iter().all(|t| t.ends_with(['.', '!', '。'])), "whole sentences: {texts:?}");
+    assert!(texts.iter().any(|t| t.starts_with("A new paragraph")), "the paragraph starts a segment: {texts:?}");
+    let (long, frames) = capture(&mut s, request);
+    let gap = vec![0.0f32; 2400]; // 100 ms at 24 kHz
+    let mut want = Vec::new();
+    let mut alone_frames = 0;
+    for (i, p) in parts.iter().enumerate() {
+        if i > 0 {
+            want.extend_from_slice(&gap);
+        }
+        assert_eq!(s.plan(p).unwrap().len(), 1, "a segment alone is one pass: {:?}", p.text);
+        let (pcm, f) = capture(&mut s, p.clone());
+        assert_eq!(pcm.len(), f * 1920);
+        want.extend(pcm);
+        alone_frames += f;
+    }
+    assert_eq!(frames, alone_frames);
+    assert_eq!(long.len(), want.len());
+    assert!(long == want, "the long text's PCM is the segments' PCM with the pauses, sample for sample");
+}
+
+#[test]
+fn a_cancel_stops_a_long_text_between_or_inside_segments() {
+    let stop = Stop::new();
+    let mut s = speaker_reading(&stop, Reading { segment_tokens: 14, pause: Duration::from_millis(50) });
+    let request = Request { seed: None, max_frames: Some(4), ..s.request(&MIXED.repeat(5)) };
+    assert!(s.plan(&request).unwrap().len() > 20);
+    let chunks = Arc::new(AtomicUsize::new(0));
+    let job = Job::new(request, null());
+    let cancel = job.cancel_handle();
+    let seen = Arc::clone(&chunks);
+    let job = job.on_chunk(move || {
+        if seen.fetch_add(1, Ordering::SeqCst) == 5 {
+            cancel.cancel();
+        }
+    });
+    let spoken = s.speak(job).unwrap();
+    assert!(spoken.report.is_none(), "cut short");
+    assert!(chunks.load(Ordering::SeqCst) <= 8, "stopped at once: {} chunks", chunks.load(Ordering::SeqCst));
+    // the speaker goes on
+    let fine = Request { max_frames: Some(2), ..s.request("Fine.") };
+    assert!(capture(&mut s, fine).1 > 0);
+}
+
+#[test]
+fn texts_over_the_long_text_limit_are_refused_with_the_limit() {
+    let stop = Stop::new();
+    let s = speaker(&stop);
+    let over = "Speak. ".chars().cycle().take(engine::segment::MAX_LONG_TEXT_CHARS + 1).collect::<String>();
+    let e = s.plan(&s.request(&over)).unwrap_err().to_string();
+    assert!(e.contains("100001 characters") && e.contains("100000"), "{e}");
+    let at = "Speak. ".chars().cycle().take(engine::segment::MAX_LONG_TEXT_CHARS).collect::<String>();
+    let parts = s.plan(&s.request(&at)).unwrap();
+    assert!(parts.len() > 100);
+    let max = engine::segment::max_segment_tokens(1024);
+    assert!(parts.iter().all(|p| s.engine().bundle().prompter.count_tokens(&p.text) <= max));
 }

@@ -12,6 +12,10 @@ pub struct InfoArgs {
     /// Bundle directory (overrides model.bundle).
     #[arg(long, value_name = "DIR")]
     bundle: Option<PathBuf>,
+    /// Check the SHA-256 of the tokenizer and every graph against bundle.toml first (exit 4,
+    /// naming the file, when one differs).
+    #[arg(long)]
+    verify: bool,
 }
 
 /// Run `herald info`.
@@ -21,10 +25,27 @@ pub fn run(config: Option<&Path>, a: InfoArgs) -> Result<(), Failure> {
     let dir = a.bundle.unwrap_or_else(|| cfg.model.bundle.clone());
     let m = engine::read_manifest(&dir)
         .map_err(|e| fail(exit::BUNDLE, anyhow::Error::new(e).context(format!("bundle {}", dir.display()))))?;
+    if a.verify {
+        let files = verify(&dir, &m)?;
+        let bytes: u64 = files.iter().map(|f| f.bytes).sum();
+        println!("verified    {} files, {:.1} MB: SHA-256 as in bundle.toml", files.len(), bytes as f64 / 1e6);
+    }
     match print_info(&dir, &m) {
         Err(e) if e.kind() != std::io::ErrorKind::BrokenPipe => Err(fail(exit::BUG, e)),
         _ => Ok(()),
     }
+}
+
+/// Check the bundle's checksums ([`engine::verify`]), logging the time it took.
+///
+/// # Errors
+/// Exit 4 naming the file that cannot be read or whose SHA-256 differs.
+pub fn verify(dir: &Path, m: &engine::Manifest) -> Result<Vec<engine::Verified>, Failure> {
+    let t0 = std::time::Instant::now();
+    let files =
+        engine::verify(dir, m).map_err(|e| fail(exit::BUNDLE, anyhow::Error::new(e).context(format!("bundle {}", dir.display()))))?;
+    log::info!("bundle {}: {} files match their SHA-256 ({:.2} s)", dir.display(), files.len(), t0.elapsed().as_secs_f64());
+    Ok(files)
 }
 
 fn print_info(dir: &Path, m: &engine::Manifest) -> std::io::Result<()> {

@@ -100,6 +100,9 @@ pub fn run(config: Option<&Path>, args: ServeArgs) -> Result<(), Failure> {
     notify(&[NotifyState::Status(&format!("loading bundle {}", dir.display()))]);
     let manifest = engine::read_manifest(dir)
         .map_err(|e| fail(exit::BUNDLE, anyhow::Error::new(e).context(format!("bundle {}", dir.display()))))?;
+    if cfg.model.verify {
+        crate::cmd::info::verify(dir, &manifest)?;
+    }
     // The board, as `speak` sees it: thread placement, memory, the calibrated ramp.
     let tuned = crate::tuning::tune(&cfg, dir, &manifest)?;
     tuned.log();

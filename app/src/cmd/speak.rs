@@ -82,7 +82,7 @@ fn read_text(arg: Option<String>) -> Result<String, Failure> {
                 eprintln!("reading text from standard input; end with Ctrl-D");
             }
             // Never read more than the longest accepted text can take (4 bytes per character).
-            let limit = engine::prompt::MAX_TEXT_CHARS * 4 + 4;
+            let limit = engine::segment::MAX_LONG_TEXT_CHARS * 4 + 4;
             let mut bytes = Vec::new();
             stdin
                 .take(limit as u64 + 1)
@@ -92,8 +92,8 @@ fn read_text(arg: Option<String>) -> Result<String, Failure> {
                 return Err(fail(
                     exit::INPUT,
                     anyhow::anyhow!(
-                        "standard input is longer than the longest text herald accepts ({} characters); split it",
-                        engine::prompt::MAX_TEXT_CHARS
+                        "standard input is longer than the longest text herald accepts ({} characters)",
+                        engine::segment::MAX_LONG_TEXT_CHARS
                     ),
                 ));
             }
@@ -137,6 +137,9 @@ fn speak(cfg: &Config, text: &str, out: Option<&str>, raw: bool) -> Result<(), F
     let dir = &cfg.model.bundle;
     let manifest = engine::read_manifest(dir)
         .map_err(|e| fail(exit::BUNDLE, anyhow::Error::new(e).context(format!("bundle {}", dir.display()))))?;
+    if cfg.model.verify {
+        crate::cmd::info::verify(dir, &manifest)?;
+    }
     let rate = manifest.audio.sample_rate;
     // The board: thread placement, memory (a bundle that cannot fit is refused here), ramp.
     let tuned = tuning::tune(cfg, dir, &manifest)?;

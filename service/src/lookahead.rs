@@ -1,0 +1,244 @@
+//! Playing ahead: a sink fed from a bounded queue by a player thread, so that the producer (the
+//! engine reading the next segment of a long text) runs ahead of the audio. While the player
+//! still plays what the last segment left in the queue, the next segment's prefill and first
+//! chunk are computed: on a board that is faster than real time the audio does not stall
+//! between segments.
+//!
+//! The queue holds at most `capacity` samples (the producer waits beyond it: backpressure, not
+//! growth). A cancel drops what is queued and ends the player within one write; a failing sink
+//! stops the player, and the producer's next push returns the failure.
+
+use std::collections::VecDeque;
+use std::sync::{Condvar, Mutex, MutexGuard};
+use std::time::Duration;
+
+use board::audio::{AudioSink, SinkError};
+
+use crate::cancel::Cancel;
+
+/// How often a producer waiting for room looks at its cancel handle.
+const CANCEL_POLL: Duration = Duration::from_millis(10);
+
+#[derive(Default)]
+struct State {
+    queue: VecDeque<Vec<f32>>,
+    /// Samples in `queue`.
+    queued: usize,
+    /// The producer is done: the player drains the queue and ends.
+    closed: bool,
+    /// Drop what is queued and end now.
+    cut: bool,
+    /// The player stopped on this sink error.
+    failed: Option<SinkError>,
+    /// The player has stopped (after `failed`, a cut or the drain).
+    ended: bool,
+}
+
+/// The producer's side of [`play_ahead`].
+pub struct Feeder<'a> {
+    state: &'a Mutex<State>,
+    changed: &'a Condvar,
+    capacity: usize,
+    cancel: &'a Cancel,
+}
+
+impl Feeder<'_> {
+    fn lock(&self) -> MutexGuard<'_, State> {
+        self.state.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Queue a copy of `samples` for the player, waiting while the queue holds `capacity`
+    /// samples or more.
+    ///
+    /// # Errors
+    /// A message when the player stopped (its sink failed; [`play_ahead`] returns the error
+    /// itself) or the job was cancelled while waiting.
+    pub fn push(&self, samples: &[f32]) -> Result<(), String> {
+        let mut st = self.lock();
+        loop {
+            if st.ended || st.failed.is_some() {
+                return Err("the audio output stopped".into());
+            }
+            if self.cancel.is_cancelled() {
+                return Err("cancelled".into());
+            }
+            if st.queued < self.capacity {
+                break;
+            }
+            st = self.changed.wait_timeout(st, CANCEL_POLL).map(|(g, _)| g).unwrap_or_else(|p| p.into_inner().0);
+        }
+        st.queued += samples.len();
+        st.queue.push_back(samples.to_vec());
+        drop(st);
+        self.changed.notify_all();
+        Ok(())
+    }
+
+    /// Queue `n` samples of digital silence.
+    ///
+    /// # Errors
+    /// As [`Feeder::push`].
+    pub fn silence(&self, n: usize) -> Result<(), String> {
+        // in pieces of at most one second at 24 kHz, so the queue bound stays meaningful
+        let mut left = n;
+        while left > 0 {
+            let k = left.min(24_000);
+            self.push(&vec![0.0; k])?;
+            left -= k;
+        }
+        Ok(())
+    }
+}
+
+/// Run `produce` with a [`Feeder`] while a player thread writes what it queues into `sink` (already
+/// begun), in order. When `produce` returns, the player plays the rest of the queue (or drops it
+/// when `cancel` is set) and ends; the sink is not finished here (the caller finishes or aborts
+/// it).
+///
+/// Returns `produce`'s result and the sink error that stopped the player, if one did.
+pub fn play_ahead<R>(
+    sink: &mut (dyn AudioSink + Send),
+    capacity: usize,
+    cancel: &Cancel,
+    produce: impl FnOnce(&Feeder<'_>) -> R,
+) -> (R, Option<SinkError>) {
+    let state = Mutex::new(State::default());
+    let changed = Condvar::new();
+    let lock = || state.lock().unwrap_or_else(|p| p.into_inner());
+    let result = std::thread::scope(|s| {
+        let player = s.spawn(|| {
+            loop {
+                let mut st = lock();
+                let item = loop {
+                    if st.cut || cancel.is_cancelled() {
+                        st.queue.clear();
+                        st.queued = 0;
+                        break None;
+                    }
+                    if let Some(item) = st.queue.pop_front() {
+                        st.queued -= item.len();
+                        break Some(item);
+                    }
+                    if st.closed {
+                        break None;
+                    }
+                    st = changed.wait_timeout(st, CANCEL_POLL).map(|(g, _)| g).unwrap_or_else(|p| p.into_inner().0);
+                };
+                drop(st);
+                changed.notify_all();
+                let Some(item) = item else { break };
+                if let Err(e) = sink.write(&item) {
+                    lock().failed = Some(e);
+                    break;
+                }
+            }
+            lock().ended = true;
+            changed.notify_all();
+        });
+        let feeder = Feeder { state: &state, changed: &changed, capacity: capacity.max(1), cancel };
+        let result = produce(&feeder);
+        {
+            let mut st = lock();
+            st.closed = true;
+            if cancel.is_cancelled() {
+                st.cut = true;
+            }
+        }
+        changed.notify_all();
+        if player.join().is_err() {
+            lock().failed.get_or_insert(SinkError::Config("internal error: the player thread panicked".into()));
+        }
+        result
+    });
+    let failed = state.into_inner().unwrap_or_else(|p| p.into_inner()).failed;
+    (result, failed)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use board::audio::{SampleFormat, SinkStats};
+
+    /// Records what it is given; fails at the `fail_at`-th write.
+    struct Capture {
+        got: Vec<f32>,
+        writes: usize,
+        fail_at: Option<usize>,
+    }
+
+    impl AudioSink for Capture {
+        fn begin(&mut self, _: u32) -> Result<(), SinkError> {
+            Ok(())
+        }
+        fn write(&mut self, samples: &[f32]) -> Result<(), SinkError> {
+            self.writes += 1;
+            if Some(self.writes) == self.fail_at {
+                return Err(SinkError::Config("unplugged".into()));
+            }
+            std::thread::sleep(Duration::from_micros(200));
+            self.got.extend_from_slice(samples);
+            Ok(())
+        }
+        fn finish(&mut self) -> Result<SinkStats, SinkError> {
+            Ok(SinkStats {
+                input_samples: self.got.len() as u64,
+                frames_written: self.got.len() as u64,
+                xruns: 0,
+                device_rate: 24_000,
+                channels: 1,
+                format: SampleFormat::S16,
+                period_frames: 0,
+                buffer_frames: 0,
+                resampled: false,
+            })
+        }
+        fn abort(&mut self) {}
+    }
+
+    fn capture(fail_at: Option<usize>) -> Capture {
+        Capture { got: Vec::new(), writes: 0, fail_at }
+    }
+
+    #[test]
+    fn everything_queued_is_played_in_order() {
+        let mut sink = capture(None);
+        let cancel = Cancel::new();
+        let (r, failed) = play_ahead(&mut sink, 10, &cancel, |f| {
+            for i in 0..100 {
+                f.push(&[i as f32, i as f32 + 0.5]).unwrap();
+            }
+            f.silence(3).unwrap();
+            7
+        });
+        assert_eq!(r, 7);
+        assert!(failed.is_none());
+        let want: Vec<f32> = (0..100).flat_map(|i| [i as f32, i as f32 + 0.5]).chain([0.0; 3]).collect();
+        assert_eq!(sink.got, want);
+    }
+
+    #[test]
+    fn a_failing_sink_stops_the_producer_with_its_error() {
+        let mut sink = capture(Some(3));
+        let cancel = Cancel::new();
+        let (pushed, failed) = play_ahead(&mut sink, 4, &cancel, |f| (0..1000).take_while(|_| f.push(&[1.0; 4]).is_ok()).count());
+        assert!(pushed < 1000, "the producer saw the failure");
+        assert!(matches!(failed, Some(SinkError::Config(ref m)) if m == "unplugged"), "{failed:?}");
+        assert_eq!(sink.got.len(), 8, "two writes before the third failed");
+    }
+
+    #[test]
+    fn a_cancel_drops_the_queue_and_frees_a_waiting_producer() {
+        let mut sink = capture(None);
+        let cancel = Cancel::new();
+        let (r, failed) = play_ahead(&mut sink, 1_000_000, &cancel, |f| {
+            for _ in 0..50 {
+                f.push(&[1.0; 1000]).unwrap();
+            }
+            cancel.cancel();
+            f.push(&[1.0; 10])
+        });
+        assert!(r.is_err());
+        assert!(failed.is_none());
+        assert!(sink.got.len() < 50_000, "the queue was dropped, {} samples played", sink.got.len());
+    }
+}
