@@ -1106,6 +1106,26 @@ fn parse_speech(body: &[u8]) -> Result<SpeechParams, ApiError> {
     Ok(SpeechParams { model, input, voice, format, language, instructions })
 }
 
+/// A request body parsed as the route `path` (`/v1/audio/speech` or `/v1/say`) parses it, for
+/// the fuzz targets (`fuzz/`): `Err` with the status and the JSON error body a client would
+/// get.
+///
+/// # Panics
+/// When an error body is not the JSON object OpenAI's clients expect (a bug the fuzzer is to
+/// find).
+#[cfg(feature = "fuzzing")]
+// a fuzz oracle: its panic is the fuzzer's finding
+#[allow(clippy::panic, clippy::expect_used)]
+pub fn fuzz_body(path: &str, body: &[u8]) -> Result<(), (u16, String)> {
+    let parsed = if path == "/v1/say" { parse_say(body).map(|_| ()) } else { parse_speech(body).map(|_| ()) };
+    parsed.map_err(|e| {
+        let json = error_json(&e.message, e.kind, e.param, e.code);
+        let v: Value = serde_json::from_slice(&json).expect("an error body is JSON");
+        assert!(v["error"]["message"].is_string(), "an error body has error.message");
+        (e.status.as_u16(), e.message)
+    })
+}
+
 fn parse_say(body: &[u8]) -> Result<SayParams, ApiError> {
     let map = json_object(body)?;
     Ok(SayParams { input: required_string(&map, "input")?, voice: voice_field(&map)?, language: string_field(&map, "language")? })

@@ -349,9 +349,21 @@ pub fn encode(kind: &str, data: &Value, payload: &[u8]) -> Vec<u8> {
     out
 }
 
+/// What an [`EventReader`] reads from: a socket, whose read timeout bounds each read.
+trait Source: Read {
+    /// Let the next read wait at most `timeout`.
+    fn set_timeout(&mut self, timeout: Duration) -> io::Result<()>;
+}
+
+impl Source for TcpStream {
+    fn set_timeout(&mut self, timeout: Duration) -> io::Result<()> {
+        self.set_read_timeout(Some(timeout))
+    }
+}
+
 /// Reads events from a socket with the limits and timeouts of the module doc.
-struct EventReader {
-    stream: TcpStream,
+struct EventReader<S = TcpStream> {
+    stream: S,
     buf: Vec<u8>,
     /// Bytes of `buf` already consumed.
     pos: usize,
@@ -359,7 +371,7 @@ struct EventReader {
     idle_timeout: Duration,
 }
 
-impl EventReader {
+impl<S: Source> EventReader<S> {
     /// Read the next event; `Ok(None)` at a clean end of stream (between events).
     fn next(&mut self) -> Result<Option<Event>, ProtocolError> {
         // the header line: the first byte may take up to the idle timeout, the rest of the
@@ -462,7 +474,7 @@ impl EventReader {
         if timeout.is_zero() {
             return Err(ProtocolError::Slow(self.request_timeout));
         }
-        self.stream.set_read_timeout(Some(timeout))?;
+        self.stream.set_timeout(timeout)?;
         let mut chunk = [0u8; 16 * 1024];
         loop {
             match self.stream.read(&mut chunk) {
@@ -489,6 +501,54 @@ enum Wait {
     Idle,
     /// Inside an event that must be complete by then.
     Request(Instant),
+}
+
+/// Bytes already received (the fuzz targets): no read waits.
+#[cfg(feature = "fuzzing")]
+impl Source for &[u8] {
+    fn set_timeout(&mut self, _: Duration) -> io::Result<()> {
+        Ok(())
+    }
+}
+
+/// The event parser and the checks of an event's fields, over `bytes` as if a client had sent
+/// them and closed the connection, for the fuzz targets (`fuzz/`): every event read is checked
+/// as the connection would (`voice`, `text`, the sentence splitter) and encoded again, which
+/// must read back as the same event. Returns the events read before the end or the first
+/// protocol error.
+///
+/// # Panics
+/// When an event does not survive the round trip (a bug the fuzzer is to find).
+#[cfg(feature = "fuzzing")]
+// a fuzz oracle: its panic is the fuzzer's finding
+#[allow(clippy::panic, clippy::expect_used)]
+pub fn fuzz_events(bytes: &[u8]) -> usize {
+    fn reader(stream: &[u8]) -> EventReader<&[u8]> {
+        let hour = Duration::from_secs(3600);
+        EventReader { stream, buf: Vec::new(), pos: 0, request_timeout: hour, idle_timeout: hour }
+    }
+    let mut events = reader(bytes);
+    let mut n = 0;
+    while let Ok(Some(ev)) = events.next() {
+        n += 1;
+        let _ = voice_of(&ev.data);
+        if let Ok(text) = text_of(&ev.kind, &ev.data) {
+            let (sentences, rest) = split_sentences(&text);
+            let joined: usize = sentences.iter().map(String::len).sum::<usize>() + rest.len();
+            assert!(joined <= text.len(), "the splitter invents text");
+        }
+        let wire = encode(&ev.kind, &Value::Object(ev.data.clone()), &ev.payload);
+        let mut again = reader(wire.as_slice());
+        match again.next() {
+            Ok(Some(a)) => {
+                assert_eq!(a.kind, ev.kind);
+                assert_eq!(a.payload, ev.payload);
+                assert!(a.data.keys().eq(ev.data.keys()), "data keys survive the round trip");
+            }
+            other => panic!("an event read once does not read again after encoding: {other:?}"),
+        }
+    }
+    n
 }
 
 /// The writing side of a connection, shared by the connection's thread (replies) and the
