@@ -236,6 +236,56 @@ fn damaged_bundle_files_are_named_and_refused_with_exit_4() {
 }
 
 #[test]
+fn a_writer_killed_at_any_point_leaves_no_partial_wav() {
+    let d = tmp("killed");
+    let b = bundle();
+    let bs = b.to_str().unwrap();
+    let out = d.join("out.wav");
+    let os = out.to_str().unwrap();
+    let text = "Killed while it writes, at any point of the run.";
+    let whole = |bytes: &[u8]| {
+        let riff = u32::from_le_bytes(bytes[4..8].try_into().unwrap()) as usize;
+        assert_eq!(riff + 8, bytes.len(), "the RIFF size is the file's");
+        let (_, _, _, data) = parse_wav(bytes);
+        assert!(!data.is_empty() && data.len() % 3840 == 0, "whole frames: {} bytes", data.len());
+    };
+    let writing = || {
+        std::fs::read_dir(&d).unwrap().any(|e| {
+            let n = e.unwrap().file_name().to_string_lossy().into_owned();
+            n.starts_with(".out.wav.") && n.ends_with(".tmp")
+        })
+    };
+    // killed while it starts (before the output exists), then at points while it writes
+    for (mid_write, ms) in [(false, 0u64), (false, 300), (true, 0), (true, 30), (true, 100), (true, 300), (true, 600), (true, 1000)] {
+        let mut child = common::command(&["speak", text, "--bundle", bs, "--seed", "3", "--out", os], &[])
+            .stdout(std::process::Stdio::null())
+            .stderr(std::process::Stdio::null())
+            .spawn()
+            .unwrap();
+        let t0 = std::time::Instant::now();
+        while mid_write && !writing() && child.try_wait().unwrap().is_none() && t0.elapsed().as_secs() < 60 {
+            std::thread::sleep(std::time::Duration::from_millis(5));
+        }
+        std::thread::sleep(std::time::Duration::from_millis(ms));
+        let _ = child.kill(); // SIGKILL
+        let _ = child.wait();
+        // the target is absent or a whole WAV of an earlier run that finished; never partial
+        if out.exists() {
+            whole(&std::fs::read(&out).unwrap());
+        }
+    }
+    // killed mid-write, they left their temporary files (they could not remove them) ...
+    let temps = std::fs::read_dir(&d).unwrap().filter(|e| e.as_ref().unwrap().file_name().to_string_lossy().ends_with(".tmp")).count();
+    assert!(temps > 0, "some run was killed while it wrote");
+    // ... which the next writer removes, writing the whole file
+    let o = herald(&["speak", text, "--bundle", bs, "--seed", "3", "--out", os], &[], None);
+    assert!(o.status.success(), "{}", stderr(&o));
+    whole(&std::fs::read(&out).unwrap());
+    let left: Vec<String> = std::fs::read_dir(&d).unwrap().map(|e| e.unwrap().file_name().to_string_lossy().into_owned()).collect();
+    assert_eq!(left, ["out.wav"]);
+}
+
+#[test]
 fn documented_exit_codes_with_one_line_reasons() {
     let b = bundle();
     let bs = b.to_str().unwrap();
@@ -274,7 +324,7 @@ fn documented_exit_codes_with_one_line_reasons() {
         "talker.onnx",
     );
     assert_eq!(std::fs::read(&keep).unwrap(), b"precious");
-    // and leaves no temporary file (board::fsutil names them `.keep.wav.<random>.tmp`)
+    // and leaves no temporary file (board::fsutil names them `.keep.wav.<pid>-<random>.tmp`)
     assert!(!std::fs::read_dir(&d).unwrap().any(|e| e.unwrap().file_name().to_string_lossy().starts_with(".keep.wav.")));
     // standard input is read only up to what a text may hold
     let huge = vec![b'a'; 500_000];

@@ -8,6 +8,11 @@
 //!
 //! The new file gets the mode a plain `File::create` would give it (0o666 less the umask),
 //! not `tempfile`'s private 0o600.
+//!
+//! A process killed outright (SIGKILL, a power cut) cannot remove its temporary file. The name
+//! carries the writer's process id (`.<name>.<pid>-<random>.tmp`), and the next [`AtomicFile`]
+//! for the same target removes every such file whose writer is gone, so no partial file stays
+//! behind for long; the target itself is never partial.
 
 use std::ffi::OsString;
 use std::fs::{File, Permissions};
@@ -52,9 +57,10 @@ enum Inner {
 }
 
 impl AtomicFile {
-    /// Create the temporary file for `target`, named `.<name>.<random>.tmp` in `target`'s
-    /// directory (which must exist); or open `target` itself when it exists and is not a
-    /// regular file.
+    /// Create the temporary file for `target`, named `.<name>.<pid>-<random>.tmp` in `target`'s
+    /// directory (which must exist), after removing the temporary files of earlier writers of
+    /// `target` that are no longer running ([`remove_stale`]); or open `target` itself when it
+    /// exists and is not a regular file.
     ///
     /// # Errors
     /// `InvalidInput` when `target` has no file name, `IsADirectory` when it is a directory; the
@@ -81,6 +87,8 @@ impl AtomicFile {
         let mut prefix = OsString::from(".");
         prefix.push(name);
         prefix.push(".");
+        remove_stale(dir, &prefix);
+        prefix.push(format!("{}-", std::process::id()));
         let temp =
             tempfile::Builder::new().prefix(&prefix).suffix(".tmp").permissions(Permissions::from_mode(0o666)).tempfile_in(dir)?;
         Ok(Self { inner: Inner::Temp(temp), target: target.to_owned() })
@@ -122,6 +130,27 @@ impl AtomicFile {
                 sync_dir(parent_dir(&self.target))
             }
             Inner::Direct(_) => Ok(()),
+        }
+    }
+}
+
+/// Remove the files `<prefix><pid>-<anything>.tmp` in `dir` whose process `pid` is not running
+/// (no `/proc/<pid>`): temporary files of writers that were killed before they could commit or
+/// clean up. Failures are ignored (logged at debug): they cost a leftover file, never the write.
+pub fn remove_stale(dir: &Path, prefix: &std::ffi::OsStr) {
+    let Ok(entries) = std::fs::read_dir(dir) else { return };
+    let prefix = prefix.to_string_lossy();
+    for e in entries.flatten() {
+        let name = e.file_name();
+        let name = name.to_string_lossy();
+        let Some(rest) = name.strip_prefix(prefix.as_ref()).filter(|_| name.ends_with(".tmp")) else { continue };
+        let Some(pid) = rest.split_once('-').and_then(|(p, _)| p.parse::<u32>().ok()) else { continue };
+        if Path::new("/proc").join(pid.to_string()).exists() {
+            continue;
+        }
+        match std::fs::remove_file(e.path()) {
+            Ok(()) => log::info!("removed {}, left by a writer (process {pid}) that did not finish", e.path().display()),
+            Err(err) => log::debug!("cannot remove {}: {err}", e.path().display()),
         }
     }
 }
@@ -197,6 +226,26 @@ mod tests {
         f.commit().unwrap();
         assert_eq!(fs::read(&path).unwrap(), b"new");
         assert_eq!(names(&dir), ["out.wav"]);
+        fs::remove_dir_all(&dir).unwrap();
+    }
+
+    #[test]
+    fn temporary_files_of_writers_that_are_gone_are_removed() {
+        let dir = scratch("stale");
+        let path = dir.join("out.wav");
+        // pid 4194305 is above the kernel's pid_max: never running; this process is
+        let dead = dir.join(".out.wav.4194305-abc123.tmp");
+        let alive = dir.join(format!(".out.wav.{}-def456.tmp", std::process::id()));
+        let other = dir.join(".other.wav.4194305-abc123.tmp");
+        for p in [&dead, &alive, &other] {
+            fs::write(p, b"partial").unwrap();
+        }
+        let f = AtomicFile::create(&path).unwrap();
+        let own = f.path().file_name().unwrap().to_string_lossy().into_owned();
+        assert!(own.starts_with(&format!(".out.wav.{}-", std::process::id())) && own.ends_with(".tmp"), "{own}");
+        assert!(!dead.exists(), "a dead writer's file is removed");
+        assert!(alive.exists() && other.exists(), "a live writer's file and other targets' files stay");
+        f.commit().unwrap();
         fs::remove_dir_all(&dir).unwrap();
     }
 
