@@ -6,5 +6,6 @@ pub mod calibration;
 pub mod derive;
 pub mod fsutil;
 pub mod gpio;
+pub mod malloc;
 pub mod pcm;
 pub mod probe;

@@ -207,7 +207,10 @@ impl HardwareProfile {
     /// One-line human description.
     pub fn describe(&self) -> String {
         let gib = self.ram_total_bytes as f64 / (1u64 << 30) as f64;
-        let cgroup = self.cgroup_memory_room_bytes.map(|b| format!(" cgroup_room={:.1}GiB", b as f64 / (1u64 << 30) as f64)).unwrap_or_default();
+        let cgroup = self
+            .cgroup_memory_room_bytes
+            .map(|b| format!(" cgroup_room={:.1}GiB", b as f64 / (1u64 << 30) as f64))
+            .unwrap_or_default();
         format!(
             "class={} arch={} cpu=\"{}\" logical={} physical={} big={} flags=[{}] ram={gib:.1}GiB{cgroup} npu=[{}] source={}",
             self.class,

@@ -61,8 +61,13 @@ pub struct ServeArgs {
 /// (2 configuration, FIFO or output folder; 3 amplifier line; 4 bundle); once running, a line
 /// that fails is logged and skipped.
 pub fn run(config: Option<&Path>, args: ServeArgs) -> Result<(), Failure> {
+    // before any thread: a daemon that starts threads all the time keeps its arenas bounded
+    let arenas = board::malloc::bound_arenas();
     let mut cfg = load_config(config)?;
     init_logging_from(&cfg);
+    if arenas {
+        log::debug!("malloc: at most {} arenas (MALLOC_ARENA_MAX overrides)", board::malloc::SERVE_ARENAS);
+    }
     let overrides = CliOverrides { bundle: args.bundle, device: args.device, ..CliOverrides::default() };
     cfg.apply_cli(&overrides).map_err(|e| fail(exit::INPUT, e))?;
     if let Some(dir) = &args.out_dir
