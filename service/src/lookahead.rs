@@ -180,17 +180,7 @@ mod tests {
             Ok(())
         }
         fn finish(&mut self) -> Result<SinkStats, SinkError> {
-            Ok(SinkStats {
-                input_samples: self.got.len() as u64,
-                frames_written: self.got.len() as u64,
-                xruns: 0,
-                device_rate: 24_000,
-                channels: 1,
-                format: SampleFormat::S16,
-                period_frames: 0,
-                buffer_frames: 0,
-                resampled: false,
-            })
+            Ok(SinkStats::passthrough(self.got.len() as u64, 24_000, SampleFormat::S16))
         }
         fn abort(&mut self) {}
     }

@@ -234,17 +234,7 @@ mod tests {
     }
 
     fn stats(samples: u64) -> SinkStats {
-        SinkStats {
-            input_samples: samples,
-            frames_written: samples,
-            xruns: 0,
-            device_rate: 24_000,
-            channels: 1,
-            format: SampleFormat::S16,
-            period_frames: 0,
-            buffer_frames: 0,
-            resampled: false,
-        }
+        SinkStats::passthrough(samples, 24_000, SampleFormat::S16)
     }
 
     impl Perform for Mock {

@@ -123,17 +123,7 @@ impl AudioSink for Capture {
     }
     fn finish(&mut self) -> Result<SinkStats, SinkError> {
         let n = self.0.lock().unwrap().len() as u64;
-        Ok(SinkStats {
-            input_samples: n,
-            frames_written: n,
-            xruns: 0,
-            device_rate: 24_000,
-            channels: 1,
-            format: SampleFormat::F32,
-            period_frames: 0,
-            buffer_frames: 0,
-            resampled: false,
-        })
+        Ok(SinkStats::passthrough(n, 24_000, SampleFormat::F32))
     }
     fn abort(&mut self) {}
 }

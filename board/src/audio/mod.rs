@@ -112,6 +112,25 @@ pub struct SinkStats {
     pub resampled: bool,
 }
 
+impl SinkStats {
+    /// What a sink reports that took `samples` mono samples at `rate` Hz and wrote them one for
+    /// one in `format`: no device buffer, no silence added, no resampling, no xrun (a memory or
+    /// test sink).
+    pub fn passthrough(samples: u64, rate: u32, format: SampleFormat) -> Self {
+        SinkStats {
+            input_samples: samples,
+            frames_written: samples,
+            xruns: 0,
+            device_rate: rate,
+            channels: 1,
+            format,
+            period_frames: 0,
+            buffer_frames: 0,
+            resampled: false,
+        }
+    }
+}
+
 /// How a [`SinkError`] should be treated; the binary maps these to exit codes
 /// (suggested: `Config` → 2 "bad input or config", everything about the audio device → 3,
 /// `Output` → 2 when a path could not be created, or quietly 0 on a broken pipe). A sink

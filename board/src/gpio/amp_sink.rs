@@ -148,17 +148,7 @@ mod tests {
             if self.fail_finish {
                 return Err(SinkError::Stalled { device: "test".into(), waited_ms: 7 });
             }
-            Ok(SinkStats {
-                input_samples: self.samples,
-                frames_written: self.samples,
-                xruns: 0,
-                device_rate: self.rate,
-                channels: 1,
-                format: SampleFormat::S16,
-                period_frames: 0,
-                buffer_frames: 0,
-                resampled: false,
-            })
+            Ok(SinkStats::passthrough(self.samples, self.rate, SampleFormat::S16))
         }
         fn abort(&mut self) {
             self.log.lock().unwrap().push(Event::Abort);
