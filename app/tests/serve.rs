@@ -1,7 +1,9 @@
 //! `herald serve` end to end: the sd_notify(3) protocol as systemd's side of the socket sees it
 //! (READY=1, WATCHDOG=1, STATUS=, STOPPING=1, path and abstract sockets), the audio of each line
 //! equal to `herald speak` with the same text and seed, bad lines skipped, SIGTERM -> exit 0;
-//! and the appliance's rootfs overlay (image/overlay) valid for herald and alsa-lib.
+//! the audio device failing under the service (pulled out mid-line, busy, its clock stopped):
+//! the line fails and is logged, the next line opens the device again; and the appliance's
+//! rootfs overlay (image/overlay) valid for herald and alsa-lib.
 
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
@@ -13,6 +15,8 @@ use std::process::{Child, Command, Output, Stdio};
 use std::sync::mpsc;
 use std::time::{Duration, Instant};
 
+#[path = "../../board/tests/support/alsa_plugin.rs"]
+mod alsa_plugin;
 mod common;
 
 use common::{bundle, repo, stderr};
@@ -219,6 +223,157 @@ fn abstract_notify_socket_and_sigterm_mid_line() {
     assert!(len > 0 && len < 1500 * 1920 * 2, "cut short: {len} bytes");
     // without WATCHDOG_USEC there is no keep-alive
     assert!(!log.iter().any(|m| m.contains("WATCHDOG=1")), "{log:?}");
+}
+
+/// Standard error of a running herald, line by line, as it comes.
+struct StderrTail {
+    rx: mpsc::Receiver<String>,
+    seen: Vec<String>,
+}
+
+impl StderrTail {
+    fn new(child: &mut Child) -> Self {
+        let err = child.stderr.take().unwrap();
+        let (tx, rx) = mpsc::channel();
+        std::thread::spawn(move || {
+            use std::io::BufRead;
+            for line in std::io::BufReader::new(err).lines() {
+                let Ok(line) = line else { break };
+                if tx.send(line).is_err() {
+                    break;
+                }
+            }
+        });
+        StderrTail { rx, seen: Vec::new() }
+    }
+
+    /// The first line (from now on) containing `needle` and not `not`.
+    fn wait_for(&mut self, needle: &str, not: &str, timeout: Duration) -> String {
+        let end = Instant::now() + timeout;
+        loop {
+            match self.rx.recv_timeout(end.saturating_duration_since(Instant::now())) {
+                Ok(line) => {
+                    self.seen.push(line.clone());
+                    if line.contains(needle) && !line.contains(not) {
+                        return line;
+                    }
+                }
+                Err(_) => panic!("no stderr line with {needle:?} within {timeout:?}; got:\n{}", self.seen.join("\n")),
+            }
+        }
+    }
+}
+
+#[test]
+fn device_faults_fail_their_line_and_the_next_line_opens_the_device_again() {
+    let b = bundle();
+    let bs = b.to_str().unwrap();
+    let d = tmp("device-faults");
+    // herald_fault: alsa-lib's file plugin (a capture of what was played) over the test plugin
+    // in real time, broken from here through the fault file (board/tests/support/heraldclk.c)
+    let fault = d.join("fault");
+    let capture = d.join("capture.raw");
+    let conf = d.join("asound.conf");
+    std::fs::write(
+        &conf,
+        format!(
+            "{}\npcm.herald_fault {{\n type file\n file \"{}\"\n format \"raw\"\n slave.pcm {{ type heraldclk; realtime true; fault \"{}\" }}\n}}\n",
+            alsa_plugin::build(&d),
+            capture.display(),
+            fault.display()
+        ),
+    )
+    .unwrap();
+    let set = |word: &str| std::fs::write(&fault, word).unwrap();
+    let fifo = d.join("say");
+    let notify = d.join("notify.sock");
+    let rx = listen(UnixDatagram::bind(&notify).unwrap());
+    let mut child = command(
+        &["serve", "--bundle", bs, "--fifo", fifo.to_str().unwrap(), "--device", "herald_fault"],
+        &[("ALSA_CONFIG_PATH", conf.to_str().unwrap()), ("NOTIFY_SOCKET", notify.to_str().unwrap()), ("HERALD_SYNTHESIS_SEED", "11")],
+    )
+    .spawn()
+    .unwrap();
+    let mut log = Vec::new();
+    let mut err = StderrTail::new(&mut child);
+    expect(&rx, "READY=1", Duration::from_secs(300), &mut log);
+    let mut number = 0;
+    let mut say = || {
+        number += 1;
+        let _ = std::fs::remove_file(&capture);
+        std::fs::OpenOptions::new().write(true).open(&fifo).unwrap().write_all(format!("{TEXT}\n").as_bytes()).unwrap();
+        number
+    };
+    // once the line's audio reaches the device (the capture grows), break the device
+    let playing = || {
+        let end = Instant::now() + Duration::from_secs(60);
+        while !std::fs::metadata(&capture).is_ok_and(|m| m.len() >= 4800) {
+            assert!(Instant::now() < end, "no audio reached the device within 60 s");
+            std::thread::sleep(Duration::from_millis(10));
+        }
+    };
+    let timeout = Duration::from_secs(60);
+    let spoken = |err: &mut StderrTail, n: u64| {
+        // (the line that a line begins, "line N: 21 characters, seed 11", is not its outcome)
+        let line = err.wait_for(&format!("line {n}: "), " characters, seed", timeout);
+        assert!(line.contains(" frames ("), "line {n} was not spoken: {line}");
+        // and played on the device: every frame of it (16-bit mono) is in the capture
+        let frames: u64 = line.split(&format!("line {n}: ")).nth(1).unwrap().split(' ').next().unwrap().parse().unwrap();
+        let bytes = std::fs::metadata(&capture).unwrap().len();
+        assert!(bytes >= frames * 1920 * 2, "line {n}: {frames} frames but {bytes} bytes reached the device");
+    };
+    let skipped = |err: &mut StderrTail, n: u64, why: &str| {
+        let line = err.wait_for(&format!("line {n}: "), " characters, seed", timeout);
+        assert!(line.contains(why) && line.ends_with("; skipped"), "line {n}: expected {why:?}: {line}");
+        assert!(line.contains("ERROR"), "a failed line is logged as an error: {line}");
+    };
+
+    set("unplug"); // gone before the line starts
+    let n = say();
+    skipped(&mut err, n, "audio device 'herald_fault' not found");
+    set(""); // plugged in again
+    let n = say();
+    spoken(&mut err, n);
+    let n = say(); // pulled out while the line plays
+    playing();
+    set("unplug");
+    skipped(&mut err, n, "audio device 'herald_fault' went away while playing");
+    set("busy"); // held by another program
+    let n = say();
+    skipped(&mut err, n, "audio device 'herald_fault' is busy");
+    set("");
+    let n = say();
+    spoken(&mut err, n);
+    let n = say(); // its clock stops while the line plays
+    playing();
+    set("freeze");
+    skipped(&mut err, n, "audio device 'herald_fault' stalled");
+    set("");
+    let n = say();
+    spoken(&mut err, n);
+    expect(&rx, "STATUS=ready; 3 line(s) spoken, 4 skipped", Duration::from_secs(5), &mut log);
+
+    sigterm(&child);
+    expect(&rx, "STOPPING=1", Duration::from_secs(30), &mut log);
+    let o = wait_exit(child, Duration::from_secs(30));
+    assert_eq!(o.status.code(), Some(0), "{}", err.seen.join("\n"));
+    assert!(!err.seen.iter().any(|l| l.contains("panicked")), "{}", err.seen.join("\n"));
+
+    // `herald speak` on the same device: exit 3 with one line naming it
+    let speak = |word: &'static str| {
+        let _ = std::fs::remove_file(&capture);
+        set("");
+        let c = command(&["speak", TEXT, "--bundle", bs, "--device", "herald_fault"], &[("ALSA_CONFIG_PATH", conf.to_str().unwrap())])
+            .spawn()
+            .unwrap();
+        playing();
+        set(word);
+        let o = wait_exit(c, Duration::from_secs(60));
+        set("");
+        o
+    };
+    common::assert_one_error_line(&speak("unplug"), 3, "audio device 'herald_fault' went away while playing");
+    common::assert_one_error_line(&speak("freeze"), 3, "audio device 'herald_fault' stalled");
 }
 
 #[test]

@@ -21,6 +21,9 @@
 //!   the exclusive lock, so a leaked handle would show as EBUSY.
 //! - `herald_busy`: `heraldclk` that takes an exclusive `flock` at open and fails the open with
 //!   -EBUSY while another handle holds it — what `hw:` does for a second opener.
+//! - `herald_fault`: `heraldclk` in real-time mode with a fault file (`<dir>/fault`) the test
+//!   writes while a stream runs: `unplug` (every call fails with -ENODEV, as a card that was
+//!   pulled out), `freeze` (the clock stops), `busy` (opens fail with -EBUSY).
 //!
 //! All ALSA work runs under one mutex (alsa-lib's global config and the env var are shared).
 
@@ -28,276 +31,16 @@
 
 use std::io::Write;
 use std::path::{Path, PathBuf};
-use std::process::Command;
 use std::sync::{Arc, Mutex, MutexGuard, OnceLock};
 use std::time::{Duration, Instant};
+
+#[path = "support/alsa_plugin.rs"]
+mod alsa_plugin;
 
 use board::audio::{
     AlsaSettings, AlsaSink, AudioSink, SampleFormat, ShaperSettings, SinkError, SinkErrorKind, SinkStats, WavSink,
     list_playback_devices,
 };
-
-const PLUGIN_C: &str = r#"
-/* heraldclk: an ioplug playback PCM for herald's tests (no hardware needed). */
-#include <errno.h>
-#include <fcntl.h>
-#include <limits.h>
-#include <poll.h>
-#include <stdint.h>
-#include <stdlib.h>
-#include <string.h>
-#include <sys/file.h>
-#include <sys/timerfd.h>
-#include <time.h>
-#include <unistd.h>
-#include <alsa/asoundlib.h>
-#include <alsa/pcm_external.h>
-
-typedef struct {
-	snd_pcm_ioplug_t io;
-	int realtime;
-	int frozen; /* never consumes: a device whose clock stopped */
-	int lock_fd;
-	int running;
-	struct timespec t0;
-	snd_pcm_uframes_t accepted; /* frames written by the application since prepare */
-	snd_pcm_uframes_t played;   /* frames consumed since prepare */
-	snd_pcm_uframes_t boundary;
-} clk_t;
-
-static uint64_t elapsed_frames(clk_t *c)
-{
-	struct timespec now;
-	clock_gettime(CLOCK_MONOTONIC, &now);
-	double s = (double)(now.tv_sec - c->t0.tv_sec) + (double)(now.tv_nsec - c->t0.tv_nsec) / 1e9;
-	return (uint64_t)(s * c->io.rate);
-}
-
-static void arm(clk_t *c, int on)
-{
-	struct itimerspec its;
-	memset(&its, 0, sizeof its);
-	if (on) {
-		long ns = (long)((double)c->io.period_size * 1e9 / c->io.rate);
-		if (ns < 1000000)
-			ns = 1000000;
-		its.it_value.tv_sec = ns / 1000000000;
-		its.it_value.tv_nsec = ns % 1000000000;
-		its.it_interval = its.it_value;
-	}
-	timerfd_settime(c->io.poll_fd, 0, &its, NULL);
-}
-
-static int clk_start(snd_pcm_ioplug_t *io)
-{
-	clk_t *c = io->private_data;
-	clock_gettime(CLOCK_MONOTONIC, &c->t0);
-	c->running = 1;
-	arm(c, 1);
-	return 0;
-}
-
-static int clk_stop(snd_pcm_ioplug_t *io)
-{
-	clk_t *c = io->private_data;
-	c->running = 0;
-	arm(c, 0);
-	return 0;
-}
-
-static snd_pcm_sframes_t clk_pointer(snd_pcm_ioplug_t *io)
-{
-	clk_t *c = io->private_data;
-	if (c->running && !c->frozen) {
-		if (!c->realtime) {
-			c->played = c->accepted;
-		} else {
-			uint64_t p = elapsed_frames(c);
-			if (p > c->accepted) {
-				if (io->state != SND_PCM_STATE_DRAINING)
-					return -EPIPE; /* underrun: the clock passed the written data */
-				p = c->accepted;
-			}
-			c->played = p;
-		}
-	}
-	return c->played % c->boundary;
-}
-
-static snd_pcm_sframes_t clk_transfer(snd_pcm_ioplug_t *io, const snd_pcm_channel_area_t *areas,
-				      snd_pcm_uframes_t offset, snd_pcm_uframes_t size)
-{
-	clk_t *c = io->private_data;
-	(void)areas;
-	(void)offset;
-	c->accepted += size;
-	return size;
-}
-
-static int clk_prepare(snd_pcm_ioplug_t *io)
-{
-	clk_t *c = io->private_data;
-	c->running = 0;
-	arm(c, 0);
-	c->accepted = 0;
-	c->played = 0;
-	return 0;
-}
-
-static int clk_hw_params(snd_pcm_ioplug_t *io, snd_pcm_hw_params_t *params)
-{
-	clk_t *c = io->private_data;
-	snd_pcm_uframes_t bs = 0;
-	snd_pcm_hw_params_get_buffer_size(params, &bs);
-	if (bs == 0)
-		bs = 1;
-	c->boundary = bs;
-	while (c->boundary * 2 <= LONG_MAX - bs)
-		c->boundary *= 2;
-	return 0;
-}
-
-static int clk_poll_revents(snd_pcm_ioplug_t *io, struct pollfd *pfd, unsigned int nfds,
-			    unsigned short *revents)
-{
-	uint64_t ticks;
-	(void)nfds;
-	if (pfd[0].revents & POLLIN) {
-		ssize_t r = read(io->poll_fd, &ticks, sizeof ticks);
-		(void)r;
-		*revents = POLLOUT;
-	} else {
-		*revents = 0;
-	}
-	return 0;
-}
-
-static int clk_close(snd_pcm_ioplug_t *io)
-{
-	clk_t *c = io->private_data;
-	close(io->poll_fd);
-	if (c->lock_fd >= 0)
-		close(c->lock_fd); /* releases the flock */
-	free(c);
-	return 0;
-}
-
-static const snd_pcm_ioplug_callback_t callbacks = {
-	.start = clk_start,
-	.stop = clk_stop,
-	.pointer = clk_pointer,
-	.transfer = clk_transfer,
-	.prepare = clk_prepare,
-	.hw_params = clk_hw_params,
-	.poll_revents = clk_poll_revents,
-	.close = clk_close,
-};
-
-SND_PCM_PLUGIN_DEFINE_FUNC(heraldclk)
-{
-	snd_config_iterator_t i, next;
-	long rate = 0, channels = 0;
-	const char *format = NULL, *lock = NULL;
-	int realtime = 0, frozen = 0, err;
-	clk_t *c;
-	(void)root;
-
-	snd_config_for_each(i, next, conf) {
-		snd_config_t *n = snd_config_iterator_entry(i);
-		const char *id;
-		if (snd_config_get_id(n, &id) < 0)
-			continue;
-		if (!strcmp(id, "comment") || !strcmp(id, "type") || !strcmp(id, "hint"))
-			continue;
-		if (!strcmp(id, "rate") && snd_config_get_integer(n, &rate) == 0)
-			continue;
-		if (!strcmp(id, "channels") && snd_config_get_integer(n, &channels) == 0)
-			continue;
-		if (!strcmp(id, "format") && snd_config_get_string(n, &format) == 0)
-			continue;
-		if (!strcmp(id, "lock") && snd_config_get_string(n, &lock) == 0)
-			continue;
-		if (!strcmp(id, "realtime")) {
-			realtime = snd_config_get_bool(n);
-			if (realtime >= 0)
-				continue;
-		}
-		if (!strcmp(id, "frozen")) {
-			frozen = snd_config_get_bool(n);
-			if (frozen >= 0)
-				continue;
-		}
-		SNDERR("heraldclk: bad field %s", id);
-		return -EINVAL;
-	}
-	if (stream != SND_PCM_STREAM_PLAYBACK)
-		return -EINVAL;
-
-	c = calloc(1, sizeof(*c));
-	if (!c)
-		return -ENOMEM;
-	c->realtime = realtime;
-	c->frozen = frozen;
-	c->lock_fd = -1;
-	c->boundary = 1;
-	if (lock) {
-		c->lock_fd = open(lock, O_RDWR | O_CREAT | O_CLOEXEC, 0644);
-		if (c->lock_fd < 0) {
-			err = -errno;
-			free(c);
-			return err;
-		}
-		if (flock(c->lock_fd, LOCK_EX | LOCK_NB) < 0) {
-			close(c->lock_fd);
-			free(c);
-			return -EBUSY;
-		}
-	}
-	c->io.version = SND_PCM_IOPLUG_VERSION;
-	c->io.name = "herald test clock";
-	c->io.callback = &callbacks;
-	c->io.private_data = c;
-	c->io.flags = SND_PCM_IOPLUG_FLAG_BOUNDARY_WA;
-	c->io.poll_fd = timerfd_create(CLOCK_MONOTONIC, TFD_NONBLOCK | TFD_CLOEXEC);
-	c->io.poll_events = POLLIN;
-	if (c->io.poll_fd < 0) {
-		err = -errno;
-		goto fail;
-	}
-	err = snd_pcm_ioplug_create(&c->io, name, stream, mode);
-	if (err < 0)
-		goto fail;
-	{
-		static const unsigned int access[] = { SND_PCM_ACCESS_RW_INTERLEAVED, SND_PCM_ACCESS_MMAP_INTERLEAVED };
-		static const unsigned int any_format[] = { SND_PCM_FORMAT_S16_LE, SND_PCM_FORMAT_S32_LE, SND_PCM_FORMAT_FLOAT_LE };
-		unsigned int one_format[1];
-		snd_pcm_ioplug_set_param_list(&c->io, SND_PCM_IOPLUG_HW_ACCESS, 2, access);
-		if (format) {
-			one_format[0] = (unsigned int)snd_pcm_format_value(format);
-			snd_pcm_ioplug_set_param_list(&c->io, SND_PCM_IOPLUG_HW_FORMAT, 1, one_format);
-		} else {
-			snd_pcm_ioplug_set_param_list(&c->io, SND_PCM_IOPLUG_HW_FORMAT, 3, any_format);
-		}
-		snd_pcm_ioplug_set_param_minmax(&c->io, SND_PCM_IOPLUG_HW_CHANNELS,
-						channels ? channels : 1, channels ? channels : 8);
-		snd_pcm_ioplug_set_param_minmax(&c->io, SND_PCM_IOPLUG_HW_RATE,
-						rate ? rate : 8000, rate ? rate : 192000);
-		snd_pcm_ioplug_set_param_minmax(&c->io, SND_PCM_IOPLUG_HW_PERIOD_BYTES, 64, 1 << 20);
-		snd_pcm_ioplug_set_param_minmax(&c->io, SND_PCM_IOPLUG_HW_PERIODS, 2, 64);
-	}
-	*pcmp = c->io.pcm;
-	return 0;
-fail:
-	if (c->io.poll_fd >= 0)
-		close(c->io.poll_fd);
-	if (c->lock_fd >= 0)
-		close(c->lock_fd);
-	free(c);
-	return err;
-}
-
-SND_PCM_PLUGIN_SYMBOL(heraldclk);
-"#;
 
 struct Env {
     dir: PathBuf,
@@ -327,24 +70,11 @@ fn setup() -> Env {
     let dir = std::env::temp_dir().join(format!("herald-alsa-{}", std::process::id()));
     let _ = std::fs::remove_dir_all(&dir);
     std::fs::create_dir_all(&dir).unwrap();
-    let src = dir.join("heraldclk.c");
-    let lib = dir.join("libasound_module_pcm_heraldclk.so");
-    std::fs::write(&src, PLUGIN_C).unwrap();
-    let cc = std::env::var("CC").unwrap_or_else(|_| "cc".into());
-    let out = Command::new(&cc)
-        .args(["-shared", "-fPIC", "-DPIC", "-O1", "-Wall", "-o"])
-        .arg(&lib)
-        .arg(&src)
-        .arg("-lasound")
-        .output()
-        .unwrap_or_else(|e| panic!("running {cc} to build the test ALSA plugin: {e}"));
-    assert!(out.status.success(), "building the test ALSA plugin failed:\n{}", String::from_utf8_lossy(&out.stderr));
+    let plugin = alsa_plugin::build(&dir);
     let d = dir.display();
     let conf = format!(
         r#"
-pcm_type.heraldclk {{
-    lib "{d}/libasound_module_pcm_heraldclk.so"
-}}
+{plugin}
 pcm.herald_null {{
     type file
     slave.pcm {{ type null }}
@@ -396,6 +126,11 @@ pcm.herald_frozen {{
 pcm.herald_busy {{
     type heraldclk
     lock "{d}/busy.lock"
+}}
+pcm.herald_fault {{
+    type heraldclk
+    realtime true
+    fault "{d}/fault"
 }}
 "#
     );
@@ -664,4 +399,64 @@ fn f_a_device_that_stops_consuming_fails_with_stalled_and_is_released() {
     assert!(matches!(s.write(&[0.0]), Err(SinkError::Config(_))));
     s.begin(24000).unwrap();
     s.abort();
+}
+
+#[test]
+fn g_a_device_that_goes_away_fails_the_utterance_and_the_next_one_opens_it_again() {
+    let (_g, env) = env();
+    let fault = env.dir.join("fault");
+    let set = |word: &str| std::fs::write(&fault, word).unwrap();
+    let mut s = AlsaSink::new(
+        AlsaSettings {
+            device: "herald_fault".into(),
+            stall_timeout: Duration::from_millis(400),
+            busy_retries: 1,
+            busy_retry_delay: Duration::from_millis(50),
+            ..AlsaSettings::default()
+        },
+        shaper(),
+    );
+    // gone before the utterance: not found, at once (no retries)
+    set("unplug");
+    let err = s.begin(24000).unwrap_err();
+    eprintln!("unplugged at open: {err}");
+    assert!(matches!(err, SinkError::NotFound { .. }), "{err:?}");
+    // busy at open: the bounded retries, then Busy
+    set("busy");
+    let err = s.begin(24000).unwrap_err();
+    assert!(matches!(err, SinkError::Busy { attempts: 2, .. }), "{err:?}");
+
+    // pulled out mid-stream: the write fails with a device error within the stall limit
+    set("");
+    s.begin(24000).unwrap();
+    s.write(&[0.1; 4800]).unwrap();
+    set("unplug");
+    let t = Instant::now();
+    let err = s.write(&[0.1; 24000]).unwrap_err();
+    eprintln!("unplugged mid-stream: {err} (after {:?})", t.elapsed());
+    assert!(matches!(err, SinkError::Gone { .. }), "{err:?}");
+    assert_eq!(err.kind(), SinkErrorKind::Device);
+    assert!(err.to_string().contains("'herald_fault' went away"), "{err}");
+    assert!(t.elapsed() < Duration::from_secs(2), "{:?}", t.elapsed());
+    // the failed utterance released the device; plugged back in, the next utterance plays
+    assert!(matches!(s.write(&[0.0]), Err(SinkError::Config(_))));
+    set("");
+    s.begin(24000).unwrap();
+    s.write(&[0.1; 2400]).unwrap();
+    let stats = s.finish().unwrap();
+    assert!(stats.input_samples == 2400 && stats.frames_written >= 2400, "{stats:?}");
+
+    // the clock stops mid-stream: Stalled after the limit, and the device is released
+    s.begin(24000).unwrap();
+    s.write(&[0.1; 2400]).unwrap();
+    set("freeze");
+    let t = Instant::now();
+    let err = s.write(&[0.1; 24000]).unwrap_err();
+    eprintln!("frozen mid-stream: {err} (after {:?})", t.elapsed());
+    assert!(matches!(err, SinkError::Stalled { .. }), "{err:?}");
+    assert!(t.elapsed() >= Duration::from_millis(400) && t.elapsed() < Duration::from_secs(3), "{:?}", t.elapsed());
+    set("");
+    s.begin(24000).unwrap();
+    s.write(&[0.1; 2400]).unwrap();
+    s.finish().unwrap();
 }

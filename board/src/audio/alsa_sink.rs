@@ -159,7 +159,7 @@ impl AlsaSink {
     }
 
     fn err(&self, op: &'static str, source: alsa::Error) -> SinkError {
-        SinkError::Alsa { device: self.settings.device.clone(), op, source }
+        alsa_error(&self.settings.device, op, source)
     }
 
     fn open_pcm(&self) -> Result<PCM, SinkError> {
@@ -425,6 +425,16 @@ fn fill_frames(src: &[f32], channels: usize, format: SampleFormat, out: &mut Vec
     }
 }
 
+/// The error of alsa-lib call `op` on an open stream of `device`: [`SinkError::Gone`] when the
+/// device has disappeared (ENODEV, ENXIO, ESHUTDOWN: what a removed card's calls return), else
+/// [`SinkError::Alsa`].
+fn alsa_error(device: &str, op: &'static str, source: alsa::Error) -> SinkError {
+    match source.errno() {
+        libc::ENODEV | libc::ENXIO | libc::ESHUTDOWN => SinkError::Gone { device: device.to_owned(), op, source },
+        _ => SinkError::Alsa { device: device.to_owned(), op, source },
+    }
+}
+
 /// Write every frame of `bytes`, waiting for room, recovering from underruns and rewriting the
 /// frames that were not accepted. Adds accepted frames to `frames` and underruns to `xruns`.
 fn write_all(
@@ -436,7 +446,7 @@ fn write_all(
     xruns: &mut u32,
 ) -> Result<(), SinkError> {
     let device = &settings.device;
-    let alsa_err = |op, source| SinkError::Alsa { device: device.clone(), op, source };
+    let alsa_err = |op, source| alsa_error(device, op, source);
     let wait_ms = (u64::from(open.buffer) * 1000 / u64::from(open.rate.max(1))).clamp(5, 1000) as u32;
     let mut off = 0;
     let mut last_progress = Instant::now();
@@ -472,7 +482,11 @@ fn write_all(
             _ => return Err(alsa_err(op, err)),
         }
         open.pcm.try_recover(err, true).map_err(|e| alsa_err("snd_pcm_recover", e))?;
-        last_progress = Instant::now();
+        // progress is frames accepted, not recoveries: a device that underruns again and again
+        // without taking a frame (a pointer that keeps failing) is stalled, not busy
+        if last_progress.elapsed() > settings.stall_timeout {
+            return Err(SinkError::Stalled { device: device.clone(), waited_ms: last_progress.elapsed().as_millis() as u64 });
+        }
     }
     Ok(())
 }

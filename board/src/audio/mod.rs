@@ -194,6 +194,17 @@ pub enum SinkError {
         /// alsa-lib's error.
         source: alsa::Error,
     },
+    /// The device went away while it played (ENODEV, ENXIO or ESHUTDOWN from a running
+    /// stream: a USB speaker pulled out, a card removed). The next utterance opens it again.
+    #[error("audio device '{device}' went away while playing ({op}: {source}); was it unplugged?")]
+    Gone {
+        /// PCM name as given.
+        device: String,
+        /// The alsa-lib call that failed, e.g. "snd_pcm_writei".
+        op: &'static str,
+        /// alsa-lib's error.
+        source: alsa::Error,
+    },
     /// The device stopped consuming samples for longer than the write timeout.
     #[error("audio device '{device}' stalled: no room in the buffer for {waited_ms} ms")]
     Stalled {
@@ -258,7 +269,7 @@ impl SinkError {
             SinkError::Busy { .. } => SinkErrorKind::Busy,
             SinkError::NotFound { .. } => SinkErrorKind::NotFound,
             SinkError::Unsupported { .. } => SinkErrorKind::Unsupported,
-            SinkError::Alsa { .. } | SinkError::Stalled { .. } => SinkErrorKind::Device,
+            SinkError::Alsa { .. } | SinkError::Gone { .. } | SinkError::Stalled { .. } => SinkErrorKind::Device,
             SinkError::Io { .. } | SinkError::Wav { .. } => SinkErrorKind::Output,
             SinkError::Resampler { .. } | SinkError::Config(_) => SinkErrorKind::Config,
             SinkError::Other { kind, .. } => *kind,
