@@ -82,6 +82,10 @@ fn main() -> ExitCode {
             return ExitCode::from(exit::INPUT);
         }
     };
+    // a bundle file cut short under a running herald: one line and exit 4, not a bare SIGBUS
+    if let Err(e) = engine::tables::exit_on_truncation(i32::from(exit::BUNDLE)) {
+        eprintln!("warning: cannot handle SIGBUS: {e}");
+    }
     if let Err(e) = ctrlc::set_handler(|| {
         if STOP.is_stopped() {
             // a second signal: stop now

@@ -4,6 +4,12 @@
 //! [codec vocab, H] and `cp_embedding` [15, 2048, H] in float32 or float16 (docs/bundle.md,
 //! "Tables"). Nothing is copied at open: a lookup widens one row to float32 and adds it into
 //! the caller's buffer, so only the rows a prompt touches become resident.
+//!
+//! A mapped file that is truncated while it is mapped (a bundle rewritten in place under a
+//! running herald) makes the next read of a page past its new end raise SIGBUS, which would
+//! kill the process without a word. [`exit_on_truncation`] lets a program turn that into one
+//! line naming the file and an exit code of its choice; every open [`Tables`] registers its
+//! mapping for it.
 
 use std::fs::File;
 use std::path::{Path, PathBuf};
@@ -58,6 +64,8 @@ pub struct Tables {
     codec: Table,
     cp: Table,
     cp_codes: usize,
+    /// The mapping's entry in the SIGBUS registry, removed on drop.
+    _guard: truncation::Registered,
 }
 
 /// Which embedding a lookup reads.
@@ -132,7 +140,8 @@ impl Tables {
                 return Err(invalid("a table extends past the end of the file (truncated?)".into()));
             }
         }
-        Ok(Tables { map, storage, hidden, text, codec, cp, cp_codes })
+        let guard = truncation::register(&map, &path);
+        Ok(Tables { map, storage, hidden, text, codec, cp, cp_codes, _guard: guard })
     }
 
     /// Hidden size H of every row.
@@ -179,5 +188,163 @@ impl Tables {
             }
         }
         Ok(())
+    }
+}
+
+/// After this call, a SIGBUS raised by reading a [`Tables`] mapping whose file was truncated
+/// under it ends the process with `code` and one line on standard error naming the file
+/// (`error: <path>: the file was cut short while herald had it mapped …`), instead of the
+/// signal's default (killed, core dumped, no message). A SIGBUS at any other address goes to
+/// the handler that was there before (the Rust runtime's, or the default). Meant for the
+/// binary's `main`, once; later calls only change the code.
+///
+/// # Errors
+/// The OS error when the handler cannot be installed (the process then keeps the default).
+pub fn exit_on_truncation(code: i32) -> std::io::Result<()> {
+    truncation::install(code)
+}
+
+/// The SIGBUS registry behind [`exit_on_truncation`]: a fixed table of mapped ranges with their
+/// messages, read by the signal handler without locks or allocation.
+mod truncation {
+    use std::path::Path;
+    use std::sync::Mutex;
+    use std::sync::atomic::{AtomicI32, AtomicPtr, AtomicUsize, Ordering};
+
+    use memmap2::Mmap;
+
+    /// Mappings watched at once; more are simply not watched (a process maps one bundle's
+    /// tables, tests a few).
+    const SLOTS: usize = 32;
+
+    struct Slot {
+        start: AtomicUsize,
+        /// 0: free.
+        len: AtomicUsize,
+        msg: AtomicPtr<u8>,
+        msg_len: AtomicUsize,
+    }
+
+    #[allow(clippy::declare_interior_mutable_const)]
+    const FREE: Slot = Slot {
+        start: AtomicUsize::new(0),
+        len: AtomicUsize::new(0),
+        msg: AtomicPtr::new(std::ptr::null_mut()),
+        msg_len: AtomicUsize::new(0),
+    };
+    static TABLE: [Slot; SLOTS] = [FREE; SLOTS];
+    /// Serialises registration (the handler only reads).
+    static WRITERS: Mutex<()> = Mutex::new(());
+    /// The exit code; -1 until [`install`].
+    static CODE: AtomicI32 = AtomicI32::new(-1);
+    /// The disposition before ours, to pass other SIGBUSes on to.
+    static PREVIOUS: Mutex<Option<libc::sigaction>> = Mutex::new(None);
+    static PREVIOUS_ACTION: AtomicUsize = AtomicUsize::new(0);
+    static PREVIOUS_FLAGS: AtomicI32 = AtomicI32::new(0);
+
+    /// A registered mapping; its slot is freed on drop.
+    #[derive(Debug)]
+    pub(super) struct Registered(Option<usize>);
+
+    impl Drop for Registered {
+        fn drop(&mut self) {
+            if let Some(i) = self.0 {
+                let _w = WRITERS.lock().unwrap_or_else(|e| e.into_inner());
+                TABLE[i].len.store(0, Ordering::Release);
+                // the message stays allocated (a few hundred bytes): a handler running on another
+                // thread may still hold its pointer
+            }
+        }
+    }
+
+    /// Watch `map` (the mapping of `path`).
+    pub(super) fn register(map: &Mmap, path: &Path) -> Registered {
+        if map.is_empty() {
+            return Registered(None);
+        }
+        let _w = WRITERS.lock().unwrap_or_else(|e| e.into_inner());
+        let Some(i) = TABLE.iter().position(|s| s.len.load(Ordering::Acquire) == 0) else {
+            log::debug!("{}: not watched for truncation ({SLOTS} mappings already are)", path.display());
+            return Registered(None);
+        };
+        let text = format!(
+            "error: {}: the file was cut short while herald had it mapped (a bundle rewritten in place?); \
+             install a new bundle under another name and rename it into place, then restart herald\n",
+            path.display()
+        );
+        let msg: &'static mut [u8] = Box::leak(text.into_bytes().into_boxed_slice());
+        let slot = &TABLE[i];
+        slot.msg_len.store(msg.len(), Ordering::Relaxed);
+        slot.msg.store(msg.as_mut_ptr(), Ordering::Relaxed);
+        slot.start.store(map.as_ptr() as usize, Ordering::Relaxed);
+        slot.len.store(map.len(), Ordering::Release);
+        Registered(Some(i))
+    }
+
+    pub(super) fn install(code: i32) -> std::io::Result<()> {
+        let mut previous = PREVIOUS.lock().unwrap_or_else(|e| e.into_inner());
+        CODE.store(code, Ordering::Release);
+        if previous.is_some() {
+            return Ok(());
+        }
+        // SAFETY: a zeroed sigaction is a valid empty one; sigemptyset and sigaction get valid
+        // pointers to locals; the handler is async-signal-safe (atomics, write(2), _exit(2)).
+        unsafe {
+            let mut ours: libc::sigaction = std::mem::zeroed();
+            ours.sa_sigaction = on_sigbus as extern "C" fn(libc::c_int, *mut libc::siginfo_t, *mut libc::c_void) as usize;
+            ours.sa_flags = libc::SA_SIGINFO | libc::SA_ONSTACK;
+            libc::sigemptyset(&mut ours.sa_mask);
+            let mut old: libc::sigaction = std::mem::zeroed();
+            if libc::sigaction(libc::SIGBUS, &ours, &mut old) != 0 {
+                return Err(std::io::Error::last_os_error());
+            }
+            PREVIOUS_ACTION.store(old.sa_sigaction, Ordering::Release);
+            PREVIOUS_FLAGS.store(old.sa_flags, Ordering::Release);
+            *previous = Some(old);
+        }
+        Ok(())
+    }
+
+    extern "C" fn on_sigbus(sig: libc::c_int, info: *mut libc::siginfo_t, ctx: *mut libc::c_void) {
+        // SAFETY: the kernel passes a valid siginfo for an SA_SIGINFO handler.
+        let addr = unsafe { (*info).si_addr() } as usize;
+        for slot in &TABLE {
+            let len = slot.len.load(Ordering::Acquire);
+            let start = slot.start.load(Ordering::Relaxed);
+            if len != 0 && addr >= start && addr - start < len {
+                let msg = slot.msg.load(Ordering::Relaxed);
+                let n = slot.msg_len.load(Ordering::Relaxed);
+                // SAFETY: msg points to n leaked bytes; write(2) and _exit(2) are
+                // async-signal-safe.
+                unsafe {
+                    libc::write(2, msg.cast(), n);
+                    libc::_exit(CODE.load(Ordering::Acquire));
+                }
+            }
+        }
+        // not one of ours: what was there before
+        let action = PREVIOUS_ACTION.load(Ordering::Acquire);
+        let flags = PREVIOUS_FLAGS.load(Ordering::Acquire);
+        if action != libc::SIG_DFL && action != libc::SIG_IGN && flags & libc::SA_SIGINFO != 0 {
+            // SAFETY: the previous handler was installed with SA_SIGINFO, so this is its type.
+            let f: extern "C" fn(libc::c_int, *mut libc::siginfo_t, *mut libc::c_void) = unsafe { std::mem::transmute(action) };
+            f(sig, info, ctx);
+            return;
+        }
+        if action != libc::SIG_DFL && action != libc::SIG_IGN {
+            // SAFETY: a plain handler installed without SA_SIGINFO.
+            let f: extern "C" fn(libc::c_int) = unsafe { std::mem::transmute(action) };
+            f(sig);
+            return;
+        }
+        // the default (an ignored SIGBUS from a fault is the default too): restore it and
+        // return, so the faulting access repeats and kills the process as it would have
+        // without us
+        // SAFETY: a zeroed sigaction with SIG_DFL is valid.
+        unsafe {
+            let mut dfl: libc::sigaction = std::mem::zeroed();
+            dfl.sa_sigaction = libc::SIG_DFL;
+            libc::sigaction(libc::SIGBUS, &dfl, std::ptr::null_mut());
+        }
     }
 }
