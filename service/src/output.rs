@@ -82,6 +82,8 @@ impl Target {
 pub struct WavFile {
     wav: WavSink,
     file: Option<AtomicFile>,
+    /// The target's path, for messages (the WAV writer only knows the temporary file's).
+    target: String,
 }
 
 impl WavFile {
@@ -92,22 +94,33 @@ impl WavFile {
     pub fn create(path: &Path, shaper: ShaperSettings) -> Result<Self, SinkError> {
         let file =
             AtomicFile::create(path).map_err(|source| SinkError::Io { target: path.display().to_string(), op: "create", source })?;
-        let wav = WavSink::create(file.path(), shaper)?;
-        Ok(WavFile { wav, file: Some(file) })
+        let target = path.display().to_string();
+        let wav = WavSink::create(file.path(), shaper).map_err(|e| name_target(e, &target))?;
+        Ok(WavFile { wav, file: Some(file), target })
+    }
+}
+
+/// `e` with the target's path where it names the temporary file: the user asked for
+/// `out.wav`, not `.out.wav.1234-abcdef.tmp` (a full disk, say, shows up while writing).
+fn name_target(e: SinkError, target: &str) -> SinkError {
+    match e {
+        SinkError::Io { op, source, .. } => SinkError::Io { target: target.to_owned(), op, source },
+        SinkError::Wav { source, .. } => SinkError::Wav { target: target.to_owned(), source },
+        other => other,
     }
 }
 
 impl AudioSink for WavFile {
     fn begin(&mut self, sample_rate: u32) -> Result<(), SinkError> {
-        self.wav.begin(sample_rate)
+        self.wav.begin(sample_rate).map_err(|e| name_target(e, &self.target))
     }
 
     fn write(&mut self, samples: &[f32]) -> Result<(), SinkError> {
-        self.wav.write(samples)
+        self.wav.write(samples).map_err(|e| name_target(e, &self.target))
     }
 
     fn finish(&mut self) -> Result<SinkStats, SinkError> {
-        let stats = self.wav.finish()?;
+        let stats = self.wav.finish().map_err(|e| name_target(e, &self.target))?;
         if let Some(file) = self.file.take() {
             let target = file.target().display().to_string();
             file.commit().map_err(|source| SinkError::Io { target, op: "rename into place", source })?;
