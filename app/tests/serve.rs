@@ -19,7 +19,7 @@ use std::time::{Duration, Instant};
 mod alsa_plugin;
 mod common;
 
-use common::{bundle, repo, stderr};
+use common::{StderrTail, bundle, repo, stderr};
 
 fn tmp(name: &str) -> PathBuf {
     common::tmp("serve", name)
@@ -223,45 +223,6 @@ fn abstract_notify_socket_and_sigterm_mid_line() {
     assert!(len > 0 && len < 1500 * 1920 * 2, "cut short: {len} bytes");
     // without WATCHDOG_USEC there is no keep-alive
     assert!(!log.iter().any(|m| m.contains("WATCHDOG=1")), "{log:?}");
-}
-
-/// Standard error of a running herald, line by line, as it comes.
-struct StderrTail {
-    rx: mpsc::Receiver<String>,
-    seen: Vec<String>,
-}
-
-impl StderrTail {
-    fn new(child: &mut Child) -> Self {
-        let err = child.stderr.take().unwrap();
-        let (tx, rx) = mpsc::channel();
-        std::thread::spawn(move || {
-            use std::io::BufRead;
-            for line in std::io::BufReader::new(err).lines() {
-                let Ok(line) = line else { break };
-                if tx.send(line).is_err() {
-                    break;
-                }
-            }
-        });
-        StderrTail { rx, seen: Vec::new() }
-    }
-
-    /// The first line (from now on) containing `needle` and not `not`.
-    fn wait_for(&mut self, needle: &str, not: &str, timeout: Duration) -> String {
-        let end = Instant::now() + timeout;
-        loop {
-            match self.rx.recv_timeout(end.saturating_duration_since(Instant::now())) {
-                Ok(line) => {
-                    self.seen.push(line.clone());
-                    if line.contains(needle) && !line.contains(not) {
-                        return line;
-                    }
-                }
-                Err(_) => panic!("no stderr line with {needle:?} within {timeout:?}; got:\n{}", self.seen.join("\n")),
-            }
-        }
-    }
 }
 
 #[test]

@@ -6,7 +6,9 @@
 
 use std::io::Write;
 use std::path::{Path, PathBuf};
-use std::process::{Command, Output, Stdio};
+use std::process::{Child, Command, Output, Stdio};
+use std::sync::mpsc;
+use std::time::{Duration, Instant};
 
 /// The binary under test.
 pub const HERALD: &str = env!("CARGO_BIN_EXE_herald");
@@ -88,4 +90,45 @@ pub fn assert_one_error_line(o: &Output, code: i32, needle: &str) {
     let lines: Vec<&str> = e.lines().filter(|l| l.starts_with("error:")).collect();
     assert_eq!(lines.len(), 1, "{e}");
     assert!(lines[0].contains(needle), "{e}");
+}
+
+/// Standard error of a running herald, line by line, as it comes.
+pub struct StderrTail {
+    rx: mpsc::Receiver<String>,
+    /// Every line read so far.
+    pub seen: Vec<String>,
+}
+
+impl StderrTail {
+    /// Take `child`'s piped standard error and read it on a thread.
+    pub fn new(child: &mut Child) -> Self {
+        let err = child.stderr.take().unwrap();
+        let (tx, rx) = mpsc::channel();
+        std::thread::spawn(move || {
+            use std::io::BufRead;
+            for line in std::io::BufReader::new(err).lines() {
+                let Ok(line) = line else { break };
+                if tx.send(line).is_err() {
+                    break;
+                }
+            }
+        });
+        StderrTail { rx, seen: Vec::new() }
+    }
+
+    /// The first line (from now on) containing `needle` and not `not`.
+    pub fn wait_for(&mut self, needle: &str, not: &str, timeout: Duration) -> String {
+        let end = Instant::now() + timeout;
+        loop {
+            match self.rx.recv_timeout(end.saturating_duration_since(Instant::now())) {
+                Ok(line) => {
+                    self.seen.push(line.clone());
+                    if line.contains(needle) && !line.contains(not) {
+                        return line;
+                    }
+                }
+                Err(_) => panic!("no stderr line with {needle:?} within {timeout:?}; got:\n{}", self.seen.join("\n")),
+            }
+        }
+    }
 }

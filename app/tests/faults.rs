@@ -1,0 +1,243 @@
+//! Faults from the world, each with its documented outcome (docs/reliability.md): a full disk
+//! under `herald speak --out` and `herald calibrate`, a bundle on a read-only filesystem, a
+//! bundle file cut short under a running service, and `herald calibrate` killed at any point.
+//! Nothing is ever left half-written.
+//!
+//! The full disk is a 64 KiB tmpfs and the read-only filesystem a read-only bind mount, both
+//! made in a private user and mount namespace (`unshare -rm`, util-linux), so the tests need no
+//! privileges beyond what unprivileged user namespaces give (root works too).
+
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
+
+use std::io::Write;
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output, Stdio};
+use std::time::{Duration, Instant};
+
+mod common;
+
+use common::{StderrTail, assert_one_error_line, bundle, stderr};
+
+fn tmp(name: &str) -> PathBuf {
+    common::tmp("faults", name)
+}
+
+/// `unshare -rm` works here, or the test fails saying what it needs (never a silent skip).
+fn require_namespaces() {
+    let ok = Command::new("unshare").args(["-rm", "true"]).status().is_ok_and(|s| s.success());
+    assert!(
+        ok,
+        "this test mounts a small tmpfs or a read-only bind mount in a private user and mount namespace: \
+         `unshare -rm true` (util-linux) must work (unprivileged user namespaces enabled, or root)"
+    );
+}
+
+/// What [`in_namespace`] saw in a folder after herald ran: `name size` per entry, sorted.
+type Listing = Vec<String>;
+
+/// Run the herald command `c` ([`common::command`]: its arguments and environment) inside a
+/// new user and mount namespace, after the shell commands `setup` (which mount what the test
+/// needs; a failing one fails the test). Returns herald's output and the entries of `list`
+/// after it ran, read inside the namespace (its mounts vanish with it).
+fn in_namespace(c: &Command, setup: &str, list: &Path) -> (Output, Listing) {
+    const MARK: &str = "--- herald test listing ---";
+    let script = format!(
+        "set -e\n{setup}\nset +e\n\"$@\"\nrc=$?\necho '{MARK}'\nfind '{}' -mindepth 1 -maxdepth 1 -printf '%f %s\\n' | sort\nexit $rc\n",
+        list.display()
+    );
+    let mut u = Command::new("unshare");
+    u.args(["-rm", "sh", "-c", &script, "sh"]).arg(c.get_program()).args(c.get_args());
+    for (k, v) in c.get_envs() {
+        match v {
+            Some(v) => u.env(k, v),
+            None => u.env_remove(k),
+        };
+    }
+    let o = u.stdin(Stdio::null()).output().unwrap();
+    let out = String::from_utf8_lossy(&o.stdout).into_owned();
+    let Some((_, listing)) = out.split_once(MARK) else {
+        panic!("the namespace's setup failed:\n{setup}\n{}", stderr(&o));
+    };
+    let listing = listing.lines().filter(|l| !l.is_empty()).map(String::from).collect();
+    (o, listing)
+}
+
+#[test]
+fn a_full_disk_fails_the_write_names_the_file_and_leaves_the_old_one() {
+    require_namespaces();
+    let b = bundle();
+    let bs = b.to_str().unwrap();
+    let d = tmp("full-disk");
+    let m = d.join("mnt");
+    std::fs::create_dir_all(&m).unwrap();
+    let ms = m.display();
+    // a 64 KiB tmpfs holding an old out.wav and chart.svg (3 bytes each), then filled up
+    let setup = format!(
+        "mount -t tmpfs -o size=64k tmpfs '{ms}'\nprintf old > '{ms}/out.wav'\nprintf old > '{ms}/chart.svg'\n\
+         dd if=/dev/zero of='{ms}/filler' bs=4k 2>/dev/null || true"
+    );
+    let before = |listing: &Listing| {
+        let names: Vec<&str> = listing.iter().map(|l| l.split(' ').next().unwrap()).collect();
+        assert_eq!(names, ["chart.svg", "filler", "out.wav"], "nothing new, nothing partial: {listing:?}");
+        assert!(listing.contains(&"out.wav 3".to_string()) && listing.contains(&"chart.svg 3".to_string()), "{listing:?}");
+    };
+
+    let out = m.join("out.wav");
+    let c = common::command(&["speak", "A full disk.", "--bundle", bs, "--out", out.to_str().unwrap()], &[]);
+    let (o, listing) = in_namespace(&c, &setup, &m);
+    eprintln!("speak: {}", stderr(&o).lines().last().unwrap_or(""));
+    assert_one_error_line(&o, 2, &format!("WAV output {}: No space left on device", out.display()));
+    before(&listing);
+
+    let chart = m.join("chart.svg");
+    let c = common::command(
+        &["calibrate", "--bundle", bs, "--utterances", "2", "--dir", m.to_str().unwrap(), "--chart", chart.to_str().unwrap()],
+        &[],
+    );
+    let (o, listing) = in_namespace(&c, &setup, &m);
+    eprintln!("calibrate: {}", stderr(&o).lines().last().unwrap_or(""));
+    assert_one_error_line(&o, 2, "No space left on device");
+    assert!(stderr(&o).lines().last().unwrap().contains(&ms.to_string()), "names the file: {}", stderr(&o));
+    before(&listing);
+}
+
+#[test]
+fn a_bundle_on_a_read_only_filesystem_is_used_as_it_is() {
+    require_namespaces();
+    let b = bundle();
+    let d = tmp("read-only");
+    let ro = d.join("ro");
+    std::fs::create_dir_all(&ro).unwrap();
+    let (bs, ros) = (b.display(), ro.display());
+    // the bundle bind-mounted read-only; the graph cache pointed into it (unwritable)
+    let setup = format!(
+        "mount --bind '{bs}' '{ros}'\nmount -o remount,bind,ro '{ros}'\nif touch '{ros}/x' 2>/dev/null; then echo 'not read-only' >&2; exit 1; fi"
+    );
+    let env = [("HERALD_RUNTIME_GRAPH_CACHE_DIR", ro.join("graph-cache")), ("RUST_LOG", "warn".into())];
+    let env: Vec<(&str, &str)> = env.iter().map(|(k, v)| (*k, v.to_str().unwrap())).collect();
+    let want = d.join("want.wav");
+    let o =
+        common::run(&["speak", "Read only.", "--bundle", &bs.to_string(), "--seed", "3", "--out", want.to_str().unwrap()], &[], None);
+    assert!(o.status.success(), "{}", stderr(&o));
+
+    let got = d.join("got.wav");
+    let c =
+        common::command(&["speak", "Read only.", "--bundle", &ros.to_string(), "--seed", "3", "--out", got.to_str().unwrap()], &env);
+    let (o, listing) = in_namespace(&c, &setup, &ro);
+    let e = stderr(&o);
+    assert!(o.status.success(), "{e}");
+    assert!(e.contains("graph cache") && e.contains("not written"), "the unwritable cache costs one warning: {e}");
+    assert_eq!(std::fs::read(&got).unwrap(), std::fs::read(&want).unwrap(), "the same audio as from the writable bundle");
+    assert!(!listing.iter().any(|l| l.starts_with("graph-cache")), "{listing:?}");
+
+    let c = common::command(&["info", "--verify", "--bundle", &ros.to_string()], &[]);
+    let (o, _) = in_namespace(&c, &setup, &ro);
+    assert!(o.status.success(), "{}", stderr(&o));
+    assert!(String::from_utf8_lossy(&o.stdout).contains("verified"), "{}", String::from_utf8_lossy(&o.stdout));
+}
+
+#[test]
+fn a_bundle_file_cut_short_under_a_running_service_ends_it_with_exit_4_naming_the_file() {
+    let d = tmp("cut-short");
+    let b = d.join("bundle");
+    std::fs::create_dir_all(&b).unwrap();
+    for f in std::fs::read_dir(bundle()).unwrap() {
+        let f = f.unwrap().path();
+        if f.is_file() {
+            std::fs::copy(&f, b.join(f.file_name().unwrap())).unwrap();
+        }
+    }
+    let fifo = d.join("say");
+    let out = d.join("out");
+    std::fs::create_dir_all(&out).unwrap();
+    let mut child = common::command(
+        &["serve", "--bundle", b.to_str().unwrap(), "--fifo", fifo.to_str().unwrap(), "--out-dir", out.to_str().unwrap()],
+        &[("HERALD_SERVE_WYOMING", "tcp://127.0.0.1:0"), ("HERALD_SERVE_HTTP", "127.0.0.1:0")],
+    )
+    .stdin(Stdio::null())
+    .stdout(Stdio::null())
+    .stderr(Stdio::piped())
+    .spawn()
+    .unwrap();
+    let mut err = StderrTail::new(&mut child);
+    err.wait_for("ready; reading lines", "\0", Duration::from_secs(300));
+    // the tables (memory-mapped) cut short in place, as a careless update would
+    let tables = b.join("tables.safetensors");
+    std::fs::OpenOptions::new().write(true).open(&tables).unwrap().set_len(1000).unwrap();
+    std::fs::OpenOptions::new().write(true).open(&fifo).unwrap().write_all(b"Still there?\n").unwrap();
+    let end = Instant::now() + Duration::from_secs(60);
+    let status = loop {
+        if let Some(st) = child.try_wait().unwrap() {
+            break st;
+        }
+        if Instant::now() > end {
+            let _ = child.kill();
+            panic!("herald serve did not end within 60 s of reading the cut-short file:\n{}", err.seen.join("\n"));
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    };
+    let last = err.wait_for(&format!("error: {}: the file was cut short", tables.display()), "\0", Duration::from_secs(5));
+    assert_eq!(status.code(), Some(4), "{}", err.seen.join("\n"));
+    assert!(last.contains("rename it into place"), "{last}");
+    assert!(!out.join("000001.wav").exists(), "no WAV for the line that was cut off");
+}
+
+#[test]
+fn calibrate_killed_at_any_point_leaves_no_partial_file() {
+    let b = bundle();
+    let d = tmp("calibrate-killed");
+    let cal = d.join("cal");
+    std::fs::create_dir_all(&cal).unwrap();
+    let chart = d.join("chart.svg");
+    let args = [
+        "calibrate",
+        "--bundle",
+        b.to_str().unwrap(),
+        "--utterances",
+        "2",
+        "--dir",
+        cal.to_str().unwrap(),
+        "--chart",
+        chart.to_str().unwrap(),
+    ];
+    // complete: the stored schedule parses and has its measurements; the chart is a whole SVG
+    let check = |when: &str| {
+        let mut stored = Vec::new();
+        for e in std::fs::read_dir(&cal).unwrap() {
+            let name = e.unwrap().file_name().to_string_lossy().into_owned();
+            if name.starts_with('.') && name.ends_with(".tmp") {
+                continue; // a killed writer's temporary file: never the target, removed next time
+            }
+            let text = std::fs::read_to_string(cal.join(&name)).unwrap();
+            let v: serde_json::Value =
+                serde_json::from_str(&text).unwrap_or_else(|e| panic!("{when}: {name} is not whole JSON ({e}):\n{text}"));
+            assert!(v["schedule"]["ramp"].is_array() && v["measured"]["ms_per_frame"].is_number(), "{when}: {name}: {text}");
+            stored.push(name);
+        }
+        assert!(stored.len() <= 1, "{when}: {stored:?}");
+        if let Ok(svg) = std::fs::read_to_string(&chart) {
+            assert!(svg.starts_with("<svg") && svg.trim_end().ends_with("</svg>"), "{when}: a torn chart");
+        }
+        stored.len()
+    };
+    let t = Instant::now();
+    let o = common::run(&args, &[], None);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let whole = t.elapsed();
+    assert_eq!(check("after a whole run"), 1);
+    // SIGKILL at points spread over a whole run's length, from the start to the write
+    for i in 0..8u32 {
+        let mut child = common::command(&args, &[]).stdout(Stdio::null()).stderr(Stdio::null()).spawn().unwrap();
+        std::thread::sleep(whole * (2 * i + 1) / 16);
+        child.kill().unwrap();
+        child.wait().unwrap();
+        assert_eq!(check(&format!("killed after {:?}", whole * (2 * i + 1) / 16)), 1);
+    }
+    let o = common::run(&args, &[], None);
+    assert!(o.status.success(), "{}", stderr(&o));
+    assert_eq!(check("after the next whole run"), 1);
+    let left: Vec<String> = std::fs::read_dir(&cal).unwrap().map(|e| e.unwrap().file_name().to_string_lossy().into_owned()).collect();
+    assert_eq!(left.len(), 1, "the next run removed the killed runs' temporary files: {left:?}");
+    let temps = std::fs::read_dir(&d).unwrap().filter(|e| e.as_ref().unwrap().file_name().to_string_lossy().ends_with(".tmp")).count();
+    assert_eq!(temps, 0, "and the chart's");
+}
