@@ -32,6 +32,22 @@ fn require_namespaces() {
     );
 }
 
+/// The herald command `c` ([`common::command`]: its program, arguments and environment) run
+/// through `wrapper` (a program and its first arguments, ending where herald's command line
+/// goes: `sh -c '… exec "$@"' sh`).
+fn wrapped(c: &Command, wrapper: &[&std::ffi::OsStr]) -> Command {
+    let mut w = Command::new(wrapper[0]);
+    w.args(&wrapper[1..]).arg(c.get_program()).args(c.get_args());
+    for (k, v) in c.get_envs() {
+        match v {
+            Some(v) => w.env(k, v),
+            None => w.env_remove(k),
+        };
+    }
+    w.stdin(Stdio::null());
+    w
+}
+
 /// What [`in_namespace`] saw in a folder after herald ran: `name size` per entry, sorted.
 type Listing = Vec<String>;
 
@@ -45,15 +61,9 @@ fn in_namespace(c: &Command, setup: &str, list: &Path) -> (Output, Listing) {
         "set -e\n{setup}\nset +e\n\"$@\"\nrc=$?\necho '{MARK}'\nfind '{}' -mindepth 1 -maxdepth 1 -printf '%f %s\\n' | sort\nexit $rc\n",
         list.display()
     );
-    let mut u = Command::new("unshare");
-    u.args(["-rm", "sh", "-c", &script, "sh"]).arg(c.get_program()).args(c.get_args());
-    for (k, v) in c.get_envs() {
-        match v {
-            Some(v) => u.env(k, v),
-            None => u.env_remove(k),
-        };
-    }
-    let o = u.stdin(Stdio::null()).output().unwrap();
+    let o = wrapped(c, &["unshare".as_ref(), "-rm".as_ref(), "sh".as_ref(), "-c".as_ref(), script.as_ref(), "sh".as_ref()])
+        .output()
+        .unwrap();
     let out = String::from_utf8_lossy(&o.stdout).into_owned();
     let Some((_, listing)) = out.split_once(MARK) else {
         panic!("the namespace's setup failed:\n{setup}\n{}", stderr(&o));
@@ -240,4 +250,72 @@ fn calibrate_killed_at_any_point_leaves_no_partial_file() {
     assert_eq!(left.len(), 1, "the next run removed the killed runs' temporary files: {left:?}");
     let temps = std::fs::read_dir(&d).unwrap().filter(|e| e.as_ref().unwrap().file_name().to_string_lossy().ends_with(".tmp")).count();
     assert_eq!(temps, 0, "and the chart's");
+}
+
+/// A fresh memory cgroup below this process's own, with `limit` bytes: cgroup v1's memory
+/// controller (`memory.limit_in_bytes`), or a v2 group whose parent already delegates the
+/// memory controller (`memory.max`). `None` when neither can be made here (not root, no
+/// delegation).
+fn memory_cgroup(limit: u64) -> Option<PathBuf> {
+    let own = std::fs::read_to_string("/proc/self/cgroup").ok()?;
+    let name = format!("herald-test-{}", std::process::id());
+    for line in own.lines() {
+        let mut f = line.splitn(3, ':');
+        let (Some(_), Some(controllers), Some(path)) = (f.next(), f.next(), f.next()) else { continue };
+        let (base, limit_file) = if controllers.split(',').any(|c| c == "memory") {
+            (Path::new("/sys/fs/cgroup/memory"), "memory.limit_in_bytes")
+        } else if controllers.is_empty() {
+            (Path::new("/sys/fs/cgroup"), "memory.max")
+        } else {
+            continue;
+        };
+        let mut parent = base.join(path.trim_start_matches('/'));
+        if !parent.is_dir() {
+            parent = base.to_path_buf(); // a container that sees its group as the mount's root
+        }
+        let dir = parent.join(&name);
+        let _ = std::fs::remove_dir(&dir);
+        if std::fs::create_dir(&dir).is_err() {
+            continue;
+        }
+        if std::fs::write(dir.join(limit_file), limit.to_string()).is_ok() {
+            return Some(dir);
+        }
+        let _ = std::fs::remove_dir(&dir);
+    }
+    None
+}
+
+#[test]
+fn under_a_cgroup_memory_limit_below_the_need_herald_refuses_at_start_with_the_numbers() {
+    let b = bundle();
+    let d = tmp("cgroup");
+    // the tiny bundle needs 13 MiB of weights + 512 activations + 2048 headroom on an x86 CPU
+    // (herald probe): 1 GiB is far too little, and far more than herald uses before it refuses
+    let Some(group) = memory_cgroup(1 << 30) else {
+        eprintln!(
+            "SKIPPED: no memory cgroup can be made here (needs root with cgroup v1's memory controller, or a v2 group \
+             that delegates memory); the limit arithmetic is tested on recorded cgroup files in board/tests/probe.rs"
+        );
+        return;
+    };
+    let out = d.join("out.wav");
+    // herald started inside the group
+    let in_group = |args: &[&str]| {
+        let join = ["sh".as_ref(), "-c".as_ref(), "echo $$ > \"$0/cgroup.procs\" && exec \"$@\"".as_ref(), group.as_os_str()];
+        wrapped(&common::command(args, &[]), &join).output().unwrap()
+    };
+    let o = in_group(&["speak", "Not enough memory.", "--bundle", b.to_str().unwrap(), "--out", out.to_str().unwrap()]);
+    let probe = in_group(&["probe"]);
+    let _ = std::fs::remove_dir(&group);
+    eprintln!("{}", stderr(&o).lines().last().unwrap_or(""));
+    assert_one_error_line(&o, 4, "does not fit in memory");
+    let line = stderr(&o).lines().find(|l| l.starts_with("error:")).unwrap().to_string();
+    assert!(line.contains("(the cgroup's memory limit - its usage)") && line.contains("2048 MiB headroom"), "{line}");
+    // what it counted: at most the 1024 MiB limit
+    let available: i64 = line.split(" MiB available").next().unwrap().rsplit(' ').next().unwrap().parse().unwrap();
+    assert!((1..=1024).contains(&available), "{line}");
+    assert!(!out.exists(), "refused before any output");
+    let p = String::from_utf8_lossy(&probe.stdout);
+    assert!(p.lines().next().unwrap_or("").contains("cgroup_room="), "herald probe shows the limit: {p}");
 }

@@ -88,7 +88,7 @@ pub struct Derived {
 pub struct DoesNotFit {
     /// MemAvailable (or what the cgroup still allows, when less), MiB.
     pub available: i64,
-    /// ` (cgroup memory.max)` when the control group's limit set `available`, else empty.
+    /// ` (the cgroup's memory limit - its usage)` when a control group's limit set `available`, else empty.
     pub limited_by: &'static str,
     /// Weights, MiB.
     pub weights: i64,
@@ -190,8 +190,7 @@ pub fn derive(
     let kv_fit =
         if budget > model.fixed_cache_bytes as i64 { (budget as u64 - model.fixed_cache_bytes) * 2 / (per_position * 3) } else { 0 };
     if kv_fit < MIN_KV_POSITIONS {
-        let limited_by =
-            if hw.cgroup_memory_room_bytes == Some(available) { " (the cgroup's memory.max - memory.current)" } else { "" };
+        let limited_by = if hw.cgroup_memory_room_bytes == Some(available) { " (the cgroup's memory limit - its usage)" } else { "" };
         return Err(DoesNotFit {
             available: mib(available),
             limited_by,
@@ -340,7 +339,7 @@ mod tests {
         let err = derive(&hw, &qwen06(Dtype::Fp32, 2662 * MIB), &[0, 1, 2, 3], 4096).unwrap_err();
         assert_eq!(err.available, 1024);
         let msg = err.to_string();
-        assert!(msg.contains("1024 MiB available (the cgroup's memory.max - memory.current)"), "{msg}");
+        assert!(msg.contains("1024 MiB available (the cgroup's memory limit - its usage)"), "{msg}");
     }
 
     #[test]

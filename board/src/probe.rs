@@ -118,9 +118,11 @@ pub struct HardwareProfile {
     pub ram_total_bytes: u64,
     /// `MemAvailable` in bytes, lowered to [`Self::cgroup_memory_room_bytes`] when that is less.
     pub ram_available_bytes: u64,
-    /// What this process's control group (cgroup v2) still lets it use: the least of
-    /// `memory.max` − `memory.current` over its group and the groups above it (a service's
-    /// `MemoryMax=`, a container's limit), bytes; `None` without cgroup v2 or without a limit.
+    /// What this process's control group (cgroup v2, or v1's `memory` controller) still lets it
+    /// use: the least of the limit − the usage (v2 `memory.max` − `memory.current`, v1
+    /// `memory.limit_in_bytes` − `memory.usage_in_bytes`) over its group and the groups above
+    /// it (a service's `MemoryMax=`, a container's limit), bytes; `None` when no group has a
+    /// limit.
     pub cgroup_memory_room_bytes: Option<u64>,
     /// Number of `/sys/class/thermal/thermal_zone*` entries.
     pub thermal_zones: usize,
@@ -339,22 +341,70 @@ fn parse_meminfo(text: &str) -> (u64, u64) {
     (total, avail)
 }
 
-/// What the cgroup v2 hierarchy at `root/sys/fs/cgroup` still lets this process use (the group
-/// named by `root/proc/self/cgroup`'s `0::/path` line and every group above it): the least of
-/// `memory.max` − `memory.current`, bytes (0 when a group is at or over its limit); `None`
-/// when there is no cgroup v2 line or no group has a limit (`max`).
+/// What this process's control groups still let it use, bytes: the least, over its memory
+/// cgroup and every group above it, of the limit minus the usage (0 when a group is at or over
+/// its limit); `None` when no group has a limit.
+///
+/// Groups are named by `root/proc/self/cgroup`: the cgroup v2 line (`0::/path`) is looked up
+/// under `sys/fs/cgroup` (unified) and `sys/fs/cgroup/unified` (hybrid), with `memory.max` and
+/// `memory.current`; a cgroup v1 `memory` controller line (`N:memory:/path`, as on older
+/// Jetson L4T and in many containers) under `sys/fs/cgroup/memory`, with
+/// `memory.limit_in_bytes` and `memory.usage_in_bytes`. A path that is not there (a container
+/// that sees its own group as the mount's root) is walked up to the mount's root.
 fn cgroup_memory_room(root: &Path) -> Option<u64> {
     let own = read_opt(&root.join("proc/self/cgroup"))?;
-    let path = own.lines().find_map(|l| l.strip_prefix("0::"))?.trim();
-    let base = root.join("sys/fs/cgroup");
     let mut room: Option<u64> = None;
-    let mut group = Path::new(path.trim_start_matches('/'));
+    for line in own.lines() {
+        let mut fields = line.splitn(3, ':');
+        let (Some(_), Some(controllers), Some(path)) = (fields.next(), fields.next(), fields.next()) else {
+            continue;
+        };
+        let found = if controllers.is_empty() {
+            ["sys/fs/cgroup", "sys/fs/cgroup/unified"]
+                .iter()
+                .filter_map(|base| group_room(&root.join(base), path, ["memory.max", "memory.current", "inactive_file"]))
+                .min()
+        } else if controllers.split(',').any(|c| c == "memory") {
+            group_room(
+                &root.join("sys/fs/cgroup/memory"),
+                path,
+                ["memory.limit_in_bytes", "memory.usage_in_bytes", "total_inactive_file"],
+            )
+        } else {
+            None
+        };
+        if let Some(here) = found {
+            room = Some(room.map_or(here, |r| r.min(here)));
+        }
+    }
+    room
+}
+
+/// A cgroup v1 limit at or above this is "no limit" (the kernel shows unlimited as the largest
+/// page-aligned `i64`, 9223372036854771712).
+const CGROUP_V1_UNLIMITED: u64 = 1 << 62;
+
+/// The least `limit − usage` over the group `path` under the hierarchy mounted at `base` and
+/// the groups above it; `None` when none has a limit (v2 `max`, a v1 "unlimited", no file).
+/// `files` names the limit file, the usage file and the `memory.stat` key of the inactive
+/// file cache, which the kernel reclaims before it counts as out of memory (the bundle's
+/// pages just read, say), so it is not counted as used: the working set Kubernetes and
+/// systemd-oomd watch.
+fn group_room(base: &Path, path: &str, files: [&str; 3]) -> Option<u64> {
+    let [limit_file, usage_file, inactive_key] = files;
+    let mut room: Option<u64> = None;
+    let mut group = Path::new(path.trim().trim_start_matches('/'));
     loop {
         let dir = base.join(group);
-        let max = read_opt(&dir.join("memory.max")).and_then(|m| m.trim().parse::<u64>().ok());
-        if let Some(max) = max {
-            let current = read_num(&dir.join("memory.current")).unwrap_or(0);
-            let here = max.saturating_sub(current);
+        let limit = read_opt(&dir.join(limit_file)).and_then(|m| m.trim().parse::<u64>().ok()).filter(|&l| l < CGROUP_V1_UNLIMITED);
+        if let Some(limit) = limit {
+            let inactive = read_opt(&dir.join("memory.stat"))
+                .and_then(|stat| {
+                    stat.lines().find_map(|l| l.strip_prefix(inactive_key)?.strip_prefix(' ')?.trim().parse::<u64>().ok())
+                })
+                .unwrap_or(0);
+            let usage = read_num(&dir.join(usage_file)).unwrap_or(0).saturating_sub(inactive);
+            let here = limit.saturating_sub(usage);
             room = Some(room.map_or(here, |r| r.min(here)));
         }
         match group.parent() {

@@ -217,9 +217,36 @@ fn a_cgroup_memory_limit_lowers_the_available_memory() {
     let p = probe(&root).unwrap();
     assert_eq!(p.cgroup_memory_room_bytes, Some(412 << 20));
     assert_eq!(p.ram_available_bytes, 412 << 20);
+    // ... of which 50 MiB inactive file cache, which the kernel reclaims first: 462 MiB
+    std::fs::write(group.join("memory.stat"), "anon 54525952\nfile 52428800\nactive_file 0\ninactive_file 52428800\n").unwrap();
+    assert_eq!(probe(&root).unwrap().ram_available_bytes, 462 << 20);
+    std::fs::remove_file(group.join("memory.stat")).unwrap();
     // a tighter limit on the slice above wins
     std::fs::write(root.join("sys/fs/cgroup/system.slice/memory.max"), "209715200\n").unwrap();
     std::fs::write(root.join("sys/fs/cgroup/system.slice/memory.current"), "0\n").unwrap();
     assert_eq!(probe(&root).unwrap().ram_available_bytes, 200 << 20);
+
+    // cgroup v1 (older Jetson L4T, many containers): the memory controller's own line and
+    // hierarchy; "unlimited" is the largest page-aligned i64; a hybrid host's v2 tree sits
+    // under sys/fs/cgroup/unified with no memory files
+    std::fs::remove_dir_all(root.join("sys/fs/cgroup")).unwrap();
+    std::fs::write(root.join("proc/self/cgroup"), "5:cpu,cpuacct:/docker/abc\n4:memory:/docker/abc\n0::/docker/abc\n").unwrap();
+    let v1 = root.join("sys/fs/cgroup/memory/docker/abc");
+    std::fs::create_dir_all(&v1).unwrap();
+    std::fs::create_dir_all(root.join("sys/fs/cgroup/unified/docker/abc")).unwrap();
+    std::fs::write(v1.join("memory.limit_in_bytes"), "9223372036854771712\n").unwrap();
+    std::fs::write(v1.join("memory.usage_in_bytes"), "104857600\n").unwrap();
+    assert_eq!(probe(&root).unwrap().cgroup_memory_room_bytes, None);
+    std::fs::write(v1.join("memory.limit_in_bytes"), "314572800\n").unwrap();
+    assert_eq!(probe(&root).unwrap().ram_available_bytes, 200 << 20);
+    // inactive file cache (reclaimable) is not counted as used
+    std::fs::write(v1.join("memory.stat"), "cache 73400320\ntotal_inactive_file 52428800\ntotal_active_file 1\n").unwrap();
+    assert_eq!(probe(&root).unwrap().ram_available_bytes, 250 << 20);
+    std::fs::remove_file(v1.join("memory.stat")).unwrap();
+    // a container that sees its own group as the mount's root (the path is not there)
+    std::fs::remove_dir_all(root.join("sys/fs/cgroup/memory/docker")).unwrap();
+    std::fs::write(root.join("sys/fs/cgroup/memory/memory.limit_in_bytes"), "157286400\n").unwrap();
+    std::fs::write(root.join("sys/fs/cgroup/memory/memory.usage_in_bytes"), "52428800\n").unwrap();
+    assert_eq!(probe(&root).unwrap().ram_available_bytes, 100 << 20);
     std::fs::remove_dir_all(&root).unwrap();
 }
