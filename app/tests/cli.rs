@@ -8,7 +8,7 @@ use std::process::Output;
 
 mod common;
 
-use common::{bundle, stderr};
+use common::{bundle, parse_wav, stderr};
 
 fn tmp(name: &str) -> PathBuf {
     common::tmp("cli", name)
@@ -17,28 +17,6 @@ fn tmp(name: &str) -> PathBuf {
 /// Run herald with a clean environment ([`common::run`]); `env` adds variables.
 fn herald(args: &[&str], env: &[(&str, &str)], stdin: Option<&[u8]>) -> Output {
     common::run(args, env, stdin)
-}
-
-/// (sample rate, channels, bits, PCM bytes) of a WAV; `streaming` accepts the 0xFFFFFFFF sizes.
-fn parse_wav(b: &[u8]) -> (u32, u16, u16, Vec<u8>) {
-    assert_eq!(&b[0..4], b"RIFF");
-    assert_eq!(&b[8..12], b"WAVE");
-    let mut p = 12;
-    let (mut rate, mut ch, mut bits) = (0, 0, 0);
-    loop {
-        let id = &b[p..p + 4];
-        let len = u32::from_le_bytes(b[p + 4..p + 8].try_into().unwrap()) as usize;
-        if id == b"fmt " {
-            ch = u16::from_le_bytes([b[p + 10], b[p + 11]]);
-            rate = u32::from_le_bytes(b[p + 12..p + 16].try_into().unwrap());
-            bits = u16::from_le_bytes([b[p + 22], b[p + 23]]);
-        }
-        if id == b"data" {
-            let end = if len == u32::MAX as usize || p + 8 + len > b.len() { b.len() } else { p + 8 + len };
-            return (rate, ch, bits, b[p + 8..end].to_vec());
-        }
-        p += 8 + len;
-    }
 }
 
 const TEXT: &str = "Every output agrees.";

@@ -16,7 +16,7 @@ use std::time::{Duration, Instant};
 
 mod common;
 
-use common::{StderrTail, assert_one_error_line, bundle, stderr};
+use common::{StderrTail, assert_one_error_line, bundle, parse_wav, stderr};
 
 fn tmp(name: &str) -> PathBuf {
     common::tmp("faults", name)
@@ -318,4 +318,55 @@ fn under_a_cgroup_memory_limit_below_the_need_herald_refuses_at_start_with_the_n
     assert!(!out.exists(), "refused before any output");
     let p = String::from_utf8_lossy(&probe.stdout);
     assert!(p.lines().next().unwrap_or("").contains("cgroup_room="), "herald probe shows the limit: {p}");
+}
+
+fn argv(v: &[String]) -> Vec<&str> {
+    v.iter().map(String::as_str).collect()
+}
+
+#[test]
+fn sigint_and_sigterm_cut_speak_at_a_frame_boundary_and_leave_a_valid_wav() {
+    let b = bundle();
+    let d = tmp("signals");
+    let text = "many words ".repeat(40);
+    let args = |out: &Path| -> Vec<String> {
+        ["speak", &text, "--bundle", b.to_str().unwrap(), "--seed", "5", "--out", out.to_str().unwrap()].map(String::from).to_vec()
+    };
+    let whole = d.join("whole.wav");
+    let o = common::run(&argv(&args(&whole)), &[], None);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let (_, _, _, full) = parse_wav(&std::fs::read(&whole).unwrap());
+    for signal in ["INT", "TERM"] {
+        let out = d.join(format!("{signal}.wav"));
+        let child = common::command(&argv(&args(&out)), &[]).stdout(Stdio::null()).stderr(Stdio::piped()).spawn().unwrap();
+        // once 20 frames are in the (temporary) WAV file
+        let end = Instant::now() + Duration::from_secs(120);
+        let written = || {
+            std::fs::read_dir(&d).unwrap().flatten().any(|e| {
+                e.file_name().to_string_lossy().starts_with(&format!(".{signal}.wav."))
+                    && e.metadata().is_ok_and(|m| m.len() > 44 + 20 * 3840)
+            })
+        };
+        while !written() {
+            assert!(Instant::now() < end, "no audio within 120 s");
+            std::thread::sleep(Duration::from_millis(5));
+        }
+        assert!(Command::new("kill").args([&format!("-{signal}"), &child.id().to_string()]).status().unwrap().success());
+        let o = child.wait_with_output().unwrap();
+        assert_one_error_line(&o, 130, "interrupted; the audio so far was finished cleanly");
+        // a valid file: the RIFF and data sizes match its length
+        let wav = std::fs::read(&out).unwrap();
+        assert_eq!(u32::from_le_bytes(wav[4..8].try_into().unwrap()) as usize, wav.len() - 8, "SIG{signal}: RIFF size");
+        let (rate, _, _, pcm) = parse_wav(&wav);
+        let at = wav.windows(4).position(|w| w == b"data").unwrap();
+        assert_eq!(u32::from_le_bytes(wav[at + 4..at + 8].try_into().unwrap()) as usize, pcm.len(), "SIG{signal}: data size");
+        assert_eq!(rate, 24000);
+        // cut at a frame boundary (1920 samples), shorter than the whole, and the same audio up
+        // to the fade-out (audio.fade_ms = 5: the last 120 samples)
+        let samples = pcm.len() / 2;
+        eprintln!("SIG{signal}: {} frames of {}", samples / 1920, full.len() / 2 / 1920);
+        assert!(samples % 1920 == 0 && samples >= 20 * 1920 && pcm.len() < full.len(), "SIG{signal}: {samples} samples");
+        let keep = pcm.len() - 120 * 2;
+        assert_eq!(pcm[..keep], full[..keep], "SIG{signal}: the audio before the fade-out differs from the whole run's");
+    }
 }

@@ -132,3 +132,25 @@ impl StderrTail {
         }
     }
 }
+
+/// (sample rate, channels, bits, PCM bytes) of a WAV; `streaming` accepts the 0xFFFFFFFF sizes.
+pub fn parse_wav(b: &[u8]) -> (u32, u16, u16, Vec<u8>) {
+    assert_eq!(&b[0..4], b"RIFF");
+    assert_eq!(&b[8..12], b"WAVE");
+    let mut p = 12;
+    let (mut rate, mut ch, mut bits) = (0, 0, 0);
+    loop {
+        let id = &b[p..p + 4];
+        let len = u32::from_le_bytes(b[p + 4..p + 8].try_into().unwrap()) as usize;
+        if id == b"fmt " {
+            ch = u16::from_le_bytes([b[p + 10], b[p + 11]]);
+            rate = u32::from_le_bytes(b[p + 12..p + 16].try_into().unwrap());
+            bits = u16::from_le_bytes([b[p + 22], b[p + 23]]);
+        }
+        if id == b"data" {
+            let end = if len == u32::MAX as usize || p + 8 + len > b.len() { b.len() } else { p + 8 + len };
+            return (rate, ch, bits, b[p + 8..end].to_vec());
+        }
+        p += 8 + len;
+    }
+}
