@@ -211,6 +211,16 @@ fn damaged_bundle_files_are_named_and_refused_with_exit_4() {
         assert!(stderr(&o).contains("code_predictor.onnx"), "verify={verify}: {}", stderr(&o));
         assert!(!wav.exists(), "nothing written");
     }
+    // the tables cut short (a copy that stopped half-way): named at the start; cut short while
+    // herald runs, see tests/faults.rs
+    let fresh = bundle_copy(&d.join("tables"));
+    let tables = fresh.join("tables.safetensors");
+    let len = std::fs::metadata(&tables).unwrap().len();
+    std::fs::OpenOptions::new().write(true).open(&tables).unwrap().set_len(len / 2).unwrap();
+    let o = herald(&["speak", "Hello.", "--bundle", fresh.to_str().unwrap(), "--out", wav.to_str().unwrap()], &[], None);
+    common::assert_one_error_line(&o, 4, "tables.safetensors");
+    assert!(stderr(&o).contains("truncated"), "{}", stderr(&o));
+    assert!(!wav.exists(), "nothing written");
 }
 
 #[test]

@@ -105,8 +105,13 @@ impl Tables {
         // operator error (re-exports rename a new directory into place rather than rewrite).
         let map = unsafe { Mmap::map(&file) }.map_err(|source| TablesError::Io { path: path.clone(), source })?;
         let invalid = |message: String| TablesError::Invalid { path: path.clone(), message };
-        let (header_len, meta) =
-            safetensors::SafeTensors::read_metadata(&map).map_err(|e| invalid(format!("not a safetensors file: {e}")))?;
+        let (header_len, meta) = safetensors::SafeTensors::read_metadata(&map).map_err(|e| match e {
+            safetensors::SafeTensorError::MetadataIncompleteBuffer => invalid(format!(
+                "{} bytes, fewer than its header describes: the file is truncated (a copy that stopped part-way?)",
+                map.len()
+            )),
+            e => invalid(format!("not a safetensors file: {e}")),
+        })?;
         let data_start = 8 + header_len;
         let storage = match m.tables.dtype.as_str() {
             "float32" => Storage::F32,
