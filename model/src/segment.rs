@@ -297,6 +297,18 @@ fn sentences(text: &str, para: Range<usize>) -> Vec<Range<usize>> {
 fn split_after(text: &str, r: Range<usize>, rule: fn(&str, usize, char) -> bool) -> Vec<Range<usize>> {
     let mut out = Vec::new();
     let mut start = r.start;
+    for end in split_points(text, r.clone(), rule) {
+        push_trimmed(text, start..end, &mut out);
+        start = end;
+    }
+    push_trimmed(text, start..r.end, &mut out);
+    out
+}
+
+/// The byte offsets in `text[r]` just after every character for which `rule` holds, with the
+/// closers and terminators that follow it.
+fn split_points(text: &str, r: Range<usize>, rule: fn(&str, usize, char) -> bool) -> Vec<usize> {
+    let mut points = Vec::new();
     let mut iter = text[r.clone()].char_indices().peekable();
     while let Some((off, c)) = iter.next() {
         let i = r.start + off;
@@ -312,17 +324,44 @@ fn split_after(text: &str, r: Range<usize>, rule: fn(&str, usize, char) -> bool)
                 break;
             }
         }
-        let piece = trim(text, start..end);
-        if !piece.is_empty() {
-            out.push(piece);
-        }
-        start = end;
+        points.push(end);
     }
-    let piece = trim(text, start..r.end);
+    points
+}
+
+fn push_trimmed(text: &str, r: Range<usize>, out: &mut Vec<Range<usize>>) {
+    let piece = trim(text, r);
     if !piece.is_empty() {
         out.push(piece);
     }
-    out
+}
+
+/// Whether a sentence of a text that is still arriving ends at `c` at byte `i`: at a line
+/// break, at a full-width terminator, or at a sentence end of [`segments`]' rules whose
+/// terminator run is followed by white space that has already arrived (at the very end, more
+/// may follow: the `45.` of `45.6`, the `..` of `...`).
+fn is_streamed_sentence_end(text: &str, i: usize, c: char) -> bool {
+    if c == '\n' || is_full_width_end(c) {
+        return true;
+    }
+    let rest = &text[i + c.len_utf8()..];
+    let tail = rest.trim_start_matches(|x: char| is_half_width_end(x) || is_closer(x));
+    !tail.is_empty() && is_sentence_end(text, i, c)
+}
+
+/// The sentences completed so far in a text that is still arriving (a request streamed in
+/// chunks): their byte ranges (trimmed, never empty), cut by the sentence rules of
+/// [`segments`] (never inside `45.6`, after an initial or after an [`ABBREVIATIONS`] entry),
+/// where a half-width terminator counts only once white space after it has arrived, and at
+/// every line break; and the byte offset where the unfinished rest begins.
+pub fn complete_sentences(text: &str) -> (Vec<Range<usize>>, usize) {
+    let mut out = Vec::new();
+    let mut start = 0;
+    for end in split_points(text, 0..text.len(), is_streamed_sentence_end) {
+        push_trimmed(text, start..end, &mut out);
+        start = end;
+    }
+    (out, start)
 }
 
 /// The white-space separated words of `text[r]`.

@@ -915,56 +915,15 @@ fn info(front: &Front) -> Value {
     })
 }
 
-/// Split `text` into the sentences completed so far and the rest. A sentence ends after `.`,
-/// `!`, `?`, `;` or `…` (and closing quotes or brackets right after them) followed by
-/// whitespace, after a CJK full stop, exclamation or question mark (`。！？；`) at once, or at
-/// a line break. So `45.6` or `e.g.x` does not end a sentence; an abbreviation followed by a
-/// space (`Dr. Smith`) does. Sentences come back trimmed, empty ones dropped.
+/// Split `text` into the sentences completed so far and the rest, by the long-text segmenter's
+/// sentence rules for a text still arriving ([`engine::segment::complete_sentences`]): after
+/// `.` `!` `?` `;` `…` (and closing quotes or brackets right after them) once white space has
+/// followed, at once after a full-width stop (`。！？．；`), and at a line break; never inside
+/// `45.6`, after an initial (`J. R. R.`) or after a listed abbreviation (`Dr. Smith`).
+/// Sentences come back trimmed, empty ones dropped.
 pub fn split_sentences(text: &str) -> (Vec<String>, &str) {
-    let mut sentences = Vec::new();
-    let mut start = 0;
-    let mut chars = text.char_indices().peekable();
-    while let Some((i, c)) = chars.next() {
-        let end = match c {
-            '\n' => Some(i + c.len_utf8()),
-            '。' | '！' | '？' | '；' => {
-                let mut e = i + c.len_utf8();
-                while let Some(&(j, q)) = chars.peek() {
-                    if matches!(q, '」' | '』' | '”' | '）' | '"' | '\'') {
-                        e = j + q.len_utf8();
-                        chars.next();
-                    } else {
-                        break;
-                    }
-                }
-                Some(e)
-            }
-            '.' | '!' | '?' | ';' | '…' => {
-                let mut e = i + c.len_utf8();
-                while let Some(&(j, q)) = chars.peek() {
-                    if matches!(q, '"' | '\'' | ')' | ']' | '”' | '’' | '.' | '!' | '?') {
-                        e = j + q.len_utf8();
-                        chars.next();
-                    } else {
-                        break;
-                    }
-                }
-                match chars.peek() {
-                    Some(&(_, w)) if w.is_whitespace() => Some(e),
-                    _ => None,
-                }
-            }
-            _ => None,
-        };
-        if let Some(e) = end {
-            let s = text[start..e].trim();
-            if !s.is_empty() {
-                sentences.push(s.to_owned());
-            }
-            start = e;
-        }
-    }
-    (sentences, &text[start..])
+    let (sentences, rest) = engine::segment::complete_sentences(text);
+    (sentences.into_iter().map(|r| text[r].to_owned()).collect(), &text[rest..])
 }
 
 #[cfg(test)]
@@ -988,6 +947,10 @@ mod tests {
         assert_eq!(s, ["line one"]);
         assert_eq!(rest, "line two");
         assert_eq!(split_sentences("").0, Vec::<String>::new());
+        // the long-text rules: no cut after an abbreviation or an initial
+        let (s, rest) = split_sentences("Dr. Smith met J. R. R. Tolkien, e.g. here. Then");
+        assert_eq!(s, ["Dr. Smith met J. R. R. Tolkien, e.g. here."]);
+        assert_eq!(rest, " Then");
     }
 
     #[test]
