@@ -446,6 +446,33 @@ fn g_a_device_that_goes_away_fails_the_utterance_and_the_next_one_opens_it_again
     let stats = s.finish().unwrap();
     assert!(stats.input_samples == 2400 && stats.frames_written >= 2400, "{stats:?}");
 
+    // how many frames an utterance of 4800 samples hands the device (with the shaper's silences)
+    s.begin(24000).unwrap();
+    s.write(&[0.1; 4800]).unwrap();
+    let total = s.finish().unwrap().frames_written;
+    // pulled out after the last write, while the buffer drains: Gone, not a silent success
+    s.begin(24000).unwrap();
+    s.write(&[0.1; 4800]).unwrap();
+    set(&format!("unplug after {total}"));
+    let t = Instant::now();
+    let err = s.finish().unwrap_err();
+    eprintln!("unplugged while draining: {err} (after {:?})", t.elapsed());
+    assert!(matches!(err, SinkError::Gone { .. }), "{err:?}");
+    assert!(t.elapsed() < Duration::from_secs(2), "{:?}", t.elapsed());
+    set("");
+    // the clock stops while the last buffer drains: bounded (buffer + stall limit), a
+    // warning, the rest dropped; the utterance counts as played and the device is released
+    s.begin(24000).unwrap();
+    s.write(&[0.1; 4800]).unwrap();
+    set(&format!("freeze after {total}"));
+    let t = Instant::now();
+    let stats = s.finish().unwrap();
+    eprintln!("frozen while draining: {stats:?} (after {:?})", t.elapsed());
+    assert!(t.elapsed() >= Duration::from_millis(400) && t.elapsed() < Duration::from_secs(3), "{:?}", t.elapsed());
+    set("");
+    s.begin(24000).unwrap();
+    s.abort();
+
     // the clock stops mid-stream: Stalled after the limit, and the device is released
     s.begin(24000).unwrap();
     s.write(&[0.1; 2400]).unwrap();

@@ -345,10 +345,20 @@ impl AlsaSink {
         Ok(open)
     }
 
+    /// Play out what the buffer holds. herald first waits for the buffer to empty itself,
+    /// watching `snd_pcm_delay`: alsa-lib's `snd_pcm_drain` blocks inside some plugins (ioplug:
+    /// bluealsa, pulse, pipewire) even on a non-blocking stream, and never returns from a device
+    /// whose clock stopped. A delay that does not shrink for `stall_timeout` ends the wait with
+    /// a warning and the rest dropped (the utterance counts as played); a device that went
+    /// away meanwhile is [`SinkError::Gone`]. Then `snd_pcm_drain`, which has (almost) nothing
+    /// left to wait for, within the buffer's length + `stall_timeout`.
     fn drain(&self, open: &Open) -> Result<(), SinkError> {
         let frame_time = Duration::from_secs_f64(f64::from(open.buffer) / f64::from(open.rate.max(1)));
-        let deadline = Instant::now() + frame_time + self.settings.stall_timeout;
         let nap = Duration::from_secs_f64((f64::from(open.period) / f64::from(open.rate.max(1)) / 2.0).clamp(0.001, 0.01));
+        if !self.wait_played(open, nap)? {
+            return Ok(());
+        }
+        let deadline = Instant::now() + frame_time + self.settings.stall_timeout;
         loop {
             match open.pcm.drain() {
                 Ok(()) => return Ok(()),
@@ -375,6 +385,53 @@ impl AlsaSink {
                 }
                 Err(e) => return Err(self.err("snd_pcm_drain", e)),
             }
+        }
+    }
+
+    /// Wait until the device has played what was written: `Ok(true)` to drain now, `Ok(false)`
+    /// when the stream is over already (it ran empty, or stalled and was dropped).
+    fn wait_played(&self, open: &Open, nap: Duration) -> Result<bool, SinkError> {
+        use alsa::pcm::State;
+        let device = &self.settings.device;
+        let gone = |op| alsa_error(device, op, alsa::Error::new(op, libc::ENODEV));
+        if open.pcm.state() == State::Prepared {
+            // fewer frames than the start threshold were written: start playing them
+            match open.pcm.start() {
+                Ok(()) => {}
+                Err(e) if e.errno() == libc::EPIPE => return Ok(false),
+                Err(e) => return Err(self.err("snd_pcm_start", e)),
+            }
+        }
+        let mut last = i64::MAX;
+        let mut since = Instant::now();
+        loop {
+            match open.pcm.state() {
+                State::Disconnected => return Err(gone("snd_pcm_state")),
+                State::Running | State::Draining | State::Paused | State::Suspended => {}
+                // ran empty (an underrun at the very end) or stopped: everything was played
+                _ => return Ok(false),
+            }
+            match open.pcm.delay() {
+                Ok(d) if d <= 0 => return Ok(true),
+                Ok(d) => {
+                    if d < last {
+                        last = d;
+                        since = Instant::now();
+                    } else if since.elapsed() > self.settings.stall_timeout {
+                        log::warn!(
+                            "audio device '{device}': the last {d} frames did not play within {} ms; dropping them",
+                            self.settings.stall_timeout.as_millis()
+                        );
+                        let _ = open.pcm.drop();
+                        return Ok(false);
+                    }
+                }
+                Err(e) if e.errno() == libc::EPIPE => {
+                    return if open.pcm.state() == State::Disconnected { Err(gone("snd_pcm_delay")) } else { Ok(false) };
+                }
+                Err(e) => return Err(self.err("snd_pcm_delay", e)),
+            }
+            std::thread::sleep(nap);
         }
     }
 }
@@ -469,6 +526,10 @@ fn write_all(
         };
         let pending = (bytes.len() - off) / frame_bytes;
         match err.errno() {
+            // a removed card's stream reads as an underrun in some plugins: it is not one
+            libc::EPIPE if open.pcm.state() == alsa::pcm::State::Disconnected => {
+                return Err(alsa_err(op, alsa::Error::new(op, libc::ENODEV)));
+            }
             libc::EPIPE => {
                 *xruns += 1;
                 log::warn!(

@@ -6,11 +6,13 @@
  * fault "<path>": a file whose first word injects a fault while the PCM is in use, read at
  * every open, prepare, pointer and transfer, so that a test can break a running stream from
  * outside the process:
- *   unplug  the device is gone (a USB speaker pulled out): open, prepare, pointer and transfer
- *           fail with -ENODEV, as a disconnected card's ioctls do;
+ *   unplug  the device is gone (a USB speaker pulled out): the stream's state becomes
+ *           DISCONNECTED and open, prepare and transfer fail with -ENODEV, as a removed card's
+ *           ioctls do;
  *   freeze  the pointer stops where it is (a codec whose clock stopped);
  *   busy    open fails with -EBUSY (another process holds the device).
- * No file, an empty file or another word: no fault. */
+ * A word followed by "after N" (frames) starts the fault once the application has written N
+ * frames since prepare (at open: at once). No file, an empty file or another word: no fault. */
 #include <errno.h>
 #include <fcntl.h>
 #include <limits.h>
@@ -40,11 +42,15 @@ typedef struct {
 
 enum { FAULT_NONE, FAULT_UNPLUG, FAULT_FREEZE, FAULT_BUSY };
 
-static int fault_now(const char *path)
+/* The fault the file names, or FAULT_NONE. A word may be followed by "after N": the fault
+ * starts once the application has written N frames since prepare (*after = N, else 0), so a
+ * test can break the stream at an exact point, such as after the last write. */
+static int fault_now(const char *path, unsigned long *after)
 {
-	char buf[16];
+	char buf[48];
 	ssize_t n;
 	int fd;
+	*after = 0;
 	if (!path)
 		return FAULT_NONE;
 	fd = open(path, O_RDONLY | O_CLOEXEC);
@@ -55,6 +61,8 @@ static int fault_now(const char *path)
 	if (n <= 0)
 		return FAULT_NONE;
 	buf[n] = 0;
+	if (strstr(buf, " after "))
+		*after = strtoul(strstr(buf, " after ") + 7, NULL, 10);
 	if (!strncmp(buf, "unplug", 6))
 		return FAULT_UNPLUG;
 	if (!strncmp(buf, "freeze", 6))
@@ -107,9 +115,16 @@ static int clk_stop(snd_pcm_ioplug_t *io)
 static snd_pcm_sframes_t clk_pointer(snd_pcm_ioplug_t *io)
 {
 	clk_t *c = io->private_data;
-	int fault = fault_now(c->fault);
-	if (fault == FAULT_UNPLUG)
-		return -ENODEV;
+	unsigned long after;
+	int fault = fault_now(c->fault, &after);
+	if (c->accepted < after)
+		fault = FAULT_NONE;
+	if (fault == FAULT_UNPLUG) {
+		/* what a removed card's stream shows: state DISCONNECTED (alsa-lib's calls then fail
+		 * with -ENODEV); returning an error here instead would read as an underrun */
+		snd_pcm_ioplug_set_state(io, SND_PCM_STATE_DISCONNECTED);
+		return c->played % c->boundary;
+	}
 	if (c->running && !c->frozen && fault != FAULT_FREEZE) {
 		if (!c->realtime) {
 			c->played = c->accepted;
@@ -132,7 +147,8 @@ static snd_pcm_sframes_t clk_transfer(snd_pcm_ioplug_t *io, const snd_pcm_channe
 	clk_t *c = io->private_data;
 	(void)areas;
 	(void)offset;
-	if (fault_now(c->fault) == FAULT_UNPLUG)
+	unsigned long after;
+	if (fault_now(c->fault, &after) == FAULT_UNPLUG && c->accepted >= after)
 		return -ENODEV;
 	c->accepted += size;
 	return size;
@@ -141,7 +157,8 @@ static snd_pcm_sframes_t clk_transfer(snd_pcm_ioplug_t *io, const snd_pcm_channe
 static int clk_prepare(snd_pcm_ioplug_t *io)
 {
 	clk_t *c = io->private_data;
-	if (fault_now(c->fault) == FAULT_UNPLUG)
+	unsigned long after;
+	if (fault_now(c->fault, &after) == FAULT_UNPLUG && after == 0)
 		return -ENODEV;
 	c->running = 0;
 	arm(c, 0);
@@ -241,7 +258,8 @@ SND_PCM_PLUGIN_DEFINE_FUNC(heraldclk)
 	}
 	if (stream != SND_PCM_STREAM_PLAYBACK)
 		return -EINVAL;
-	switch (fault_now(fault)) {
+	unsigned long after;
+	switch (fault_now(fault, &after)) {
 	case FAULT_UNPLUG:
 		return -ENODEV;
 	case FAULT_BUSY:
