@@ -220,6 +220,14 @@ fn damaged_bundle_files_are_named_and_refused_with_exit_4() {
     let o = herald(&["speak", "Hello.", "--bundle", fresh.to_str().unwrap(), "--out", wav.to_str().unwrap()], &[], None);
     common::assert_one_error_line(&o, 4, "tables.safetensors");
     assert!(stderr(&o).contains("truncated"), "{}", stderr(&o));
+    let o = herald(&["info", "--verify", "--bundle", fresh.to_str().unwrap()], &[], None);
+    common::assert_one_error_line(&o, 4, "tables.safetensors");
+    assert!(stderr(&o).contains("truncated"), "{}", stderr(&o));
+    // a folder where a graph should be
+    std::fs::remove_file(fresh.join("talker.onnx")).unwrap();
+    std::fs::create_dir(fresh.join("talker.onnx")).unwrap();
+    let o = herald(&["info", "--bundle", fresh.to_str().unwrap()], &[], None);
+    common::assert_one_error_line(&o, 4, "names talker.onnx, which is not a file in the bundle");
     assert!(!wav.exists(), "nothing written");
 }
 

@@ -25,8 +25,12 @@ pub fn read_manifest(dir: &Path) -> Result<Manifest, ManifestError> {
     let text = std::fs::read_to_string(&path).map_err(|source| ManifestError::Io { path: path.clone(), source })?;
     let m = Manifest::parse(&text, &path)?;
     for file in m.files() {
-        if !dir.join(file).is_file() {
-            return Err(ManifestError::Invalid { path, message: format!("names {file}, which is not in the bundle") });
+        match std::fs::metadata(dir.join(file)) {
+            Ok(m) if m.is_file() => {}
+            Ok(_) => {
+                return Err(ManifestError::Invalid { path, message: format!("names {file}, which is not a file in the bundle") });
+            }
+            Err(_) => return Err(ManifestError::Invalid { path, message: format!("names {file}, which is not in the bundle") }),
         }
     }
     Ok(m)
@@ -42,12 +46,14 @@ pub struct Verified {
 }
 
 /// Check the SHA-256 of every file of the bundle in `dir` that `manifest` gives one for (the
-/// tokenizer and each graph), reading each file once in 1 MiB blocks. The tables have no
-/// checksum in `bundle.toml` (their shapes are checked when they are mapped).
+/// tokenizer and each graph), reading each file once in 1 MiB blocks; then the tables, which
+/// have no checksum in `bundle.toml`, as loading checks them (header, names, shapes, dtype and
+/// a length that holds every table).
 ///
 /// # Errors
 /// [`ManifestError::Io`] naming a file that cannot be read; [`ManifestError::Invalid`] naming a
-/// file whose SHA-256 differs from the manifest's (damaged, truncated or replaced).
+/// file whose SHA-256 differs from the manifest's (damaged, truncated or replaced), or tables
+/// that are cut short or disagree with the manifest.
 pub fn verify(dir: &Path, manifest: &Manifest) -> Result<Vec<Verified>, ManifestError> {
     use sha2::{Digest, Sha256};
     use std::io::Read;
@@ -82,6 +88,12 @@ pub fn verify(dir: &Path, manifest: &Manifest) -> Result<Vec<Verified>, Manifest
         }
         out.push(Verified { file: file.to_owned(), bytes });
     }
+    // the tables: no checksum, but the same header, shape and length check as loading does
+    let tables = crate::tables::Tables::open(dir, manifest).map_err(|e| match e {
+        crate::tables::TablesError::Io { path, source } => ManifestError::Io { path, source },
+        crate::tables::TablesError::Invalid { path, message } => ManifestError::Invalid { path, message },
+    })?;
+    out.push(Verified { file: manifest.tables.file.clone(), bytes: tables.mapped_bytes() as u64 });
     Ok(out)
 }
 

@@ -149,6 +149,11 @@ impl Tables {
         Ok(Tables { map, storage, hidden, text, codec, cp, cp_codes, _guard: guard })
     }
 
+    /// Length of the mapped file, bytes.
+    pub fn mapped_bytes(&self) -> usize {
+        self.map.len()
+    }
+
     /// Hidden size H of every row.
     pub fn hidden(&self) -> usize {
         self.hidden
