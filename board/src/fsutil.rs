@@ -66,6 +66,11 @@ impl AtomicFile {
     /// `InvalidInput` when `target` has no file name, `IsADirectory` when it is a directory; the
     /// error of creating or opening the file.
     pub fn create(target: &Path) -> io::Result<Self> {
+        // through a symbolic link: the file it points to is the one replaced (a dangling link
+        // gets the file it names), the link stays
+        let resolved = follow_links(target)?;
+        let target = resolved.as_path();
+        let existing = std::fs::metadata(target).ok();
         match std::fs::metadata(target) {
             Ok(m) if m.is_dir() => {
                 return Err(io::Error::new(io::ErrorKind::IsADirectory, format!("{}: is a directory", target.display())));
@@ -89,8 +94,10 @@ impl AtomicFile {
         prefix.push(".");
         remove_stale(dir, &prefix);
         prefix.push(format!("{}-", std::process::id()));
+        // a file replaced keeps its mode; a new one gets that of a plain File::create
+        let mode = existing.filter(|m| m.is_file()).map_or(0o666, |m| m.permissions().mode() & 0o7777);
         let temp =
-            tempfile::Builder::new().prefix(&prefix).suffix(".tmp").permissions(Permissions::from_mode(0o666)).tempfile_in(dir)?;
+            tempfile::Builder::new().prefix(&prefix).suffix(".tmp").permissions(Permissions::from_mode(mode)).tempfile_in(dir)?;
         Ok(Self { inner: Inner::Temp(temp), target: target.to_owned() })
     }
 
@@ -164,6 +171,22 @@ pub fn sync_dir(dir: &Path) -> io::Result<()> {
 }
 
 /// The directory of `path`; `.` for a bare file name.
+/// `path` with symbolic links followed (at most 40, as the kernel does): the file a write
+/// through the link would change; for a dangling link, the path it names.
+fn follow_links(path: &Path) -> io::Result<PathBuf> {
+    let mut p = path.to_path_buf();
+    for _ in 0..40 {
+        match std::fs::symlink_metadata(&p) {
+            Ok(m) if m.file_type().is_symlink() => {
+                let link = std::fs::read_link(&p)?;
+                p = if link.is_absolute() { link } else { parent_dir(&p).join(link) };
+            }
+            _ => return Ok(p),
+        }
+    }
+    Err(io::Error::other(format!("{}: too many levels of symbolic links", path.display())))
+}
+
 fn parent_dir(path: &Path) -> &Path {
     match path.parent() {
         Some(p) if !p.as_os_str().is_empty() => p,
@@ -202,6 +225,26 @@ mod tests {
         fs::write(dir.join("plain"), b"").unwrap();
         let mode = |p: &Path| fs::metadata(p).unwrap().permissions().mode() & 0o777;
         assert_eq!(mode(&path), mode(&dir.join("plain")));
+        fs::remove_dir_all(&dir).unwrap();
+    }
+
+    #[test]
+    fn a_link_is_written_through_and_a_replaced_file_keeps_its_mode() {
+        let dir = scratch("links");
+        let real = dir.join("real.wav");
+        fs::write(&real, b"old").unwrap();
+        fs::set_permissions(&real, Permissions::from_mode(0o640)).unwrap();
+        std::os::unix::fs::symlink("real.wav", dir.join("link.wav")).unwrap();
+        write_atomic(&dir.join("link.wav"), b"new").unwrap();
+        assert!(fs::symlink_metadata(dir.join("link.wav")).unwrap().file_type().is_symlink(), "the link stays");
+        assert_eq!(fs::read(&real).unwrap(), b"new");
+        assert_eq!(fs::metadata(&real).unwrap().permissions().mode() & 0o7777, 0o640);
+        // a dangling link: the file it names is created
+        std::os::unix::fs::symlink("sub/made.wav", dir.join("dangling.wav")).unwrap();
+        fs::create_dir(dir.join("sub")).unwrap();
+        write_atomic(&dir.join("dangling.wav"), b"made").unwrap();
+        assert_eq!(fs::read(dir.join("sub/made.wav")).unwrap(), b"made");
+        assert_eq!(names(&dir), ["dangling.wav", "link.wav", "real.wav", "sub"]);
         fs::remove_dir_all(&dir).unwrap();
     }
 
