@@ -169,6 +169,7 @@ fn a_bundle_file_cut_short_under_a_running_service_ends_it_with_exit_4_naming_th
     .stderr(Stdio::piped())
     .spawn()
     .unwrap();
+    let _kill = common::KillOnDrop(child.id());
     let mut err = StderrTail::new(&mut child);
     err.wait_for("ready; reading lines", "\0", Duration::from_secs(300));
     // the tables (memory-mapped) cut short in place, as a careless update would

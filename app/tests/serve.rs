@@ -255,6 +255,7 @@ fn device_faults_fail_their_line_and_the_next_line_opens_the_device_again() {
     )
     .spawn()
     .unwrap();
+    let _kill = common::KillOnDrop(child.id());
     let mut log = Vec::new();
     let mut err = StderrTail::new(&mut child);
     expect(&rx, "READY=1", Duration::from_secs(300), &mut log);

@@ -154,3 +154,14 @@ pub fn parse_wav(b: &[u8]) -> (u32, u16, u16, Vec<u8>) {
         p += 8 + len;
     }
 }
+
+/// Kills the process `pid` (SIGKILL) when dropped, so that a test that fails while a herald it
+/// started is still running does not leave that herald behind. Harmless after the process
+/// has exited and been waited for.
+pub struct KillOnDrop(pub u32);
+
+impl Drop for KillOnDrop {
+    fn drop(&mut self) {
+        let _ = Command::new("kill").args(["-KILL", &self.0.to_string()]).stderr(Stdio::null()).status();
+    }
+}
