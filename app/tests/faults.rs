@@ -140,6 +140,14 @@ fn a_bundle_on_a_read_only_filesystem_is_used_as_it_is() {
     assert_eq!(std::fs::read(&got).unwrap(), std::fs::read(&want).unwrap(), "the same audio as from the writable bundle");
     assert!(!listing.iter().any(|l| l.starts_with("graph-cache")), "{listing:?}");
 
+    // writing into it: exit 2 naming the target (not a temporary file), nothing left
+    let inside = ro.join("out.wav");
+    let c = common::command(&["speak", "Read only.", "--bundle", &bs.to_string(), "--out", inside.to_str().unwrap()], &[]);
+    let (o, after) = in_namespace(&c, &setup, &ro);
+    assert_one_error_line(&o, 2, &format!("audio output {}: create failed: Read-only file system", inside.display()));
+    assert!(!stderr(&o).contains(".tmp"), "{}", stderr(&o));
+    assert_eq!(after, listing, "nothing written");
+
     let c = common::command(&["info", "--verify", "--bundle", &ros.to_string()], &[]);
     let (o, _) = in_namespace(&c, &setup, &ro);
     assert!(o.status.success(), "{}", stderr(&o));

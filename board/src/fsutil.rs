@@ -96,8 +96,12 @@ impl AtomicFile {
         prefix.push(format!("{}-", std::process::id()));
         // a file replaced keeps its mode; a new one gets that of a plain File::create
         let mode = existing.filter(|m| m.is_file()).map_or(0o666, |m| m.permissions().mode() & 0o7777);
-        let temp =
-            tempfile::Builder::new().prefix(&prefix).suffix(".tmp").permissions(Permissions::from_mode(mode)).tempfile_in(dir)?;
+        let temp = tempfile::Builder::new()
+            .prefix(&prefix)
+            .suffix(".tmp")
+            .permissions(Permissions::from_mode(mode))
+            .tempfile_in(dir)
+            .map_err(without_temp_path)?;
         Ok(Self { inner: Inner::Temp(temp), target: target.to_owned() })
     }
 
@@ -171,6 +175,16 @@ pub fn sync_dir(dir: &Path) -> io::Result<()> {
 }
 
 /// The directory of `path`; `.` for a bare file name.
+/// `e` without the temporary file's path that `tempfile` appends (`… at path "/x/.out.wav.…tmp"`):
+/// the caller names the target, and the user asked for `out.wav`.
+fn without_temp_path(e: io::Error) -> io::Error {
+    let text = e.to_string();
+    match text.find(" at path ") {
+        Some(i) => io::Error::new(e.kind(), text[..i].to_owned()),
+        None => e,
+    }
+}
+
 /// `path` with symbolic links followed (at most 40, as the kernel does): the file a write
 /// through the link would change; for a dangling link, the path it names.
 fn follow_links(path: &Path) -> io::Result<PathBuf> {
