@@ -71,11 +71,11 @@ impl AtomicFile {
         let resolved = follow_links(target)?;
         let target = resolved.as_path();
         let existing = std::fs::metadata(target).ok();
-        match std::fs::metadata(target) {
-            Ok(m) if m.is_dir() => {
+        match &existing {
+            Some(m) if m.is_dir() => {
                 return Err(io::Error::new(io::ErrorKind::IsADirectory, format!("{}: is a directory", target.display())));
             }
-            Ok(m) if !m.is_file() => {
+            Some(m) if !m.is_file() => {
                 let file = std::fs::OpenOptions::new().write(true).truncate(true).open(target)?;
                 return Ok(Self { inner: Inner::Direct(file), target: target.to_owned() });
             }
@@ -174,7 +174,6 @@ pub fn sync_dir(dir: &Path) -> io::Result<()> {
     File::open(dir)?.sync_all()
 }
 
-/// The directory of `path`; `.` for a bare file name.
 /// `e` without the temporary file's path that `tempfile` appends (`… at path "/x/.out.wav.…tmp"`):
 /// the caller names the target, and the user asked for `out.wav`.
 fn without_temp_path(e: io::Error) -> io::Error {
@@ -201,6 +200,7 @@ fn follow_links(path: &Path) -> io::Result<PathBuf> {
     Err(io::Error::other(format!("{}: too many levels of symbolic links", path.display())))
 }
 
+/// The directory of `path`; `.` for a bare file name.
 fn parent_dir(path: &Path) -> &Path {
     match path.parent() {
         Some(p) if !p.as_os_str().is_empty() => p,

@@ -247,8 +247,9 @@ mod truncation {
     static WRITERS: Mutex<()> = Mutex::new(());
     /// The exit code; -1 until [`install`].
     static CODE: AtomicI32 = AtomicI32::new(-1);
-    /// The disposition before ours, to pass other SIGBUSes on to.
-    static PREVIOUS: Mutex<Option<libc::sigaction>> = Mutex::new(None);
+    /// Whether the handler is installed (serialises [`install`]).
+    static INSTALLED: Mutex<bool> = Mutex::new(false);
+    /// The disposition before ours (handler and flags), to pass other SIGBUSes on to.
     static PREVIOUS_ACTION: AtomicUsize = AtomicUsize::new(0);
     static PREVIOUS_FLAGS: AtomicI32 = AtomicI32::new(0);
 
@@ -292,9 +293,9 @@ mod truncation {
     }
 
     pub(super) fn install(code: i32) -> std::io::Result<()> {
-        let mut previous = PREVIOUS.lock().unwrap_or_else(|e| e.into_inner());
+        let mut installed = INSTALLED.lock().unwrap_or_else(|e| e.into_inner());
         CODE.store(code, Ordering::Release);
-        if previous.is_some() {
+        if *installed {
             return Ok(());
         }
         // SAFETY: a zeroed sigaction is a valid empty one; sigemptyset and sigaction get valid
@@ -310,8 +311,8 @@ mod truncation {
             }
             PREVIOUS_ACTION.store(old.sa_sigaction, Ordering::Release);
             PREVIOUS_FLAGS.store(old.sa_flags, Ordering::Release);
-            *previous = Some(old);
         }
+        *installed = true;
         Ok(())
     }
 
