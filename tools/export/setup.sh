@@ -23,3 +23,25 @@ if [ ! -x "$root/.venv/bin/python" ]; then
   fi
 fi
 "$root/.venv/bin/python" -m pip install -q --disable-pip-version-check -r "$here/requirements.txt"
+# The QNN exporter's onnxruntime-qnn wheel exists for Linux x86_64 with glibc >= 2.35 only
+# (manylinux_2_35); elsewhere the rest of the exporter works, `export qnn` says what is missing
+# and tools/export/tests/test_qnn.py skips. Never a reason to fail the setup.
+qnn_host=$("$root/.venv/bin/python" - <<'PY'
+import platform, sys
+libc, ver = platform.libc_ver()
+try:
+    glibc = tuple(int(p) for p in ver.split(".")[:2]) if libc == "glibc" else (0, 0)
+except ValueError:
+    glibc = (0, 0)
+if sys.platform.startswith("linux") and platform.machine() == "x86_64" and glibc >= (2, 35):
+    print("ok")
+else:
+    print(f"{platform.system()} {platform.machine()}, " + (f"glibc {ver}" if libc == "glibc" else "no glibc"))
+PY
+) || qnn_host="unknown"
+if [ "$qnn_host" = ok ]; then
+  "$root/.venv/bin/python" -m pip install -q --disable-pip-version-check -r "$here/requirements-qnn.txt" ||
+    echo "note: installing onnxruntime-qnn failed; the QNN exporter and its tests are unavailable until it is (tools/export/requirements-qnn.txt)" >&2
+else
+  echo "note: the QNN exporter and its tests are unavailable on this host ($qnn_host): onnxruntime-qnn needs Linux x86_64 with glibc >= 2.35" >&2
+fi

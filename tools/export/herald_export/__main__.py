@@ -4,11 +4,14 @@
     export --tiny PRESET --seed N --out BUNDLE [--dtype ...] [--keep-checkpoint DIR]
     export --preset qwen3-tts-0.6b|qwen3-tts-1.7b --random --seed N [--out BUNDLE] [--dtype ...]
       (real dimensions, random weights, for benchmarks; default --out build/bundles/PRESET-DTYPE)
+    qnn --bundle BUNDLE --arch v73|v79|v68 [--soc N] [--talker-slots 256,1024,4096] [--allow-lossy]
+      (QNN HTP context binaries of the step graphs, added to the bundle: herald_export.qnn)
 
 q8 / q4 quantize the step graphs' linear weights and run the fidelity gate (herald_export.gate)
 before the bundle is renamed into place.
 
-Exit codes: 0 done; 2 bad input, a quantized export that failed the fidelity gate, or a write
+Exit codes: 0 done; 2 bad input (for ``qnn`` also: onnxruntime-qnn missing, a failed compile,
+a v68 build that failed its fidelity gate), a quantized export that failed the fidelity gate, or a write
 that failed -- disk full (ENOSPC), quota exceeded (EDQUOT), another I/O error (the one-line
 message names the file and the problem; nothing is left at the output path, and a bundle
 already there is unchanged); 1 an internal error; 130 interrupted (SIGINT).
@@ -56,7 +59,19 @@ def main(argv: list[str] | None = None) -> int:
                     help="with q8/q4: write the bundle even when it fails the fidelity gate ([quantization.gate] passed = false)")
     ex.add_argument("--keep-checkpoint", type=Path, metavar="DIR", help="with --tiny: keep the generated checkpoint here")
     ex.add_argument("--quiet", action="store_true", help="no progress bars")
+    qn = sub.add_parser("qnn", help="compile a bundle's step graphs into QNN HTP context binaries (added to the bundle)")
+    qn.add_argument("--bundle", type=Path, required=True, help="bundle directory (updated in place, atomically)")
+    qn.add_argument("--arch", required=True, metavar="ARCH",
+                    help="HTP architecture: v73 (SM8550), v79 (SM8750): fp16; v68 (QCS6490): w8a16")
+    qn.add_argument("--soc", type=int, metavar="N", help="QNN soc_model (default per arch: v73 43, v79 69, v68 93)")
+    qn.add_argument("--talker-slots", default="256,1024,4096", metavar="N,N,...",
+                    help="talker cache lengths, one binary each, clipped to max_positions (default 256,1024,4096)")
+    qn.add_argument("--allow-lossy", action="store_true",
+                    help="with v68: write the binaries even when the w8a16 build fails its fidelity gate")
+    qn.add_argument("--quiet", action="store_true", help="no progress bars or reports")
     args = ap.parse_args(argv)
+    if args.cmd == "qnn":
+        return _qnn(args)
 
     from .bundle import export
     from .tiny import PRESETS, write_tiny_checkpoint
@@ -115,6 +130,21 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         if tmpdir:
             shutil.rmtree(tmpdir, ignore_errors=True)
+    return 0
+
+
+def _qnn(args) -> int:
+    from .qnn import export_qnn, parse_slots
+
+    try:
+        export_qnn(args.bundle, args.arch, soc=args.soc, talker_slots=parse_slots(args.talker_slots),
+                   quiet=args.quiet, allow_lossy=args.allow_lossy)
+    except ExportError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print(f"error: interrupted; the bundle at {args.bundle} is unchanged", file=sys.stderr)
+        return 130
     return 0
 
 
