@@ -46,7 +46,7 @@ pub struct Verified {
 }
 
 /// Check the SHA-256 of every file of the bundle in `dir` that `manifest` gives one for (the
-/// tokenizer and each graph), reading each file once in 1 MiB blocks; then the tables, which
+/// tokenizer, each graph and each QNN context binary), reading each file once in 1 MiB blocks; then the tables, which
 /// have no checksum in `bundle.toml`, as loading checks them (header, names, shapes, dtype and
 /// a length that holds every table).
 ///
@@ -59,6 +59,9 @@ pub fn verify(dir: &Path, manifest: &Manifest) -> Result<Vec<Verified>, Manifest
     use std::io::Read;
     let mut files: Vec<(&str, &str)> = vec![(manifest.tokenizer.file.as_str(), manifest.tokenizer.sha256.as_str())];
     files.extend(manifest.graphs.values().map(|g| (g.file.as_str(), g.sha256.as_str())));
+    if let Some(q) = &manifest.qnn {
+        files.extend(q.binaries.iter().map(|b| (b.file.as_str(), b.sha256.as_str())));
+    }
     let mut out = Vec::with_capacity(files.len());
     let mut buf = vec![0u8; 1 << 20];
     for (file, want) in files {

@@ -386,6 +386,44 @@ pub struct FidelityGate {
     pub free_running_agree_min: u64,
 }
 
+/// `[qnn]`: context binaries of the step graphs for the Qualcomm NPU (docs/bundle.md "QNN
+/// context binaries"), written by `tools/export/export qnn`.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct QnnSection {
+    /// The QAIRT SDK version that compiled the binaries (e.g. `2.51.0`).
+    pub sdk: String,
+    /// The compiler and its version (e.g. `onnxruntime-qnn 2.7.0`).
+    pub compiler: String,
+    /// Every binary, sorted by arch, stack and slots.
+    pub binaries: Vec<QnnBinary>,
+}
+
+/// `[[qnn.binaries]]`: one step graph compiled for one HTP architecture at static shapes.
+#[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct QnnBinary {
+    /// `talker` or `code_predictor`.
+    pub stack: String,
+    /// The HTP architecture (`v68`, `v73`, `v75`, `v79`).
+    pub arch: String,
+    /// The SoC model id the compiler was told (Qualcomm's `Qnn_SocModel_t`: 43 SM8550, 69
+    /// SM8750, 35 QCS6490, ...).
+    pub soc_model: u32,
+    /// The binary's file name inside the bundle.
+    pub file: String,
+    /// Hex SHA-256 of the file.
+    pub sha256: String,
+    /// The graph's name inside the binary.
+    pub graph: String,
+    /// The static `past` size: KV-cache slots of every `full` layer.
+    pub slots: u32,
+    /// The static `seq` size: positions per execution.
+    pub positions: u32,
+    /// `fp16` (float16 compute, v73+) or `w8a16` (8-bit weights, 16-bit activations).
+    pub precision: String,
+}
+
 /// The whole `bundle.toml`.
 #[derive(Debug, Clone, Deserialize)]
 #[serde(deny_unknown_fields)]
@@ -426,6 +464,9 @@ pub struct Manifest {
     /// `[quantization]`, present in q8/q4 bundles.
     #[serde(default)]
     pub quantization: Option<Quantization>,
+    /// `[qnn]`, present when the bundle carries context binaries for the NPU.
+    #[serde(default)]
+    pub qnn: Option<QnnSection>,
 }
 
 impl Manifest {
@@ -453,6 +494,17 @@ impl Manifest {
     pub fn files(&self) -> Vec<&str> {
         let mut v = vec![self.tokenizer.file.as_str(), self.tables.file.as_str()];
         v.extend(self.graphs.values().map(|g| g.file.as_str()));
+        if let Some(q) = &self.qnn {
+            v.extend(q.binaries.iter().map(|b| b.file.as_str()));
+        }
+        v
+    }
+
+    /// The HTP architectures the bundle has binaries for, sorted, each once.
+    pub fn qnn_arches(&self) -> Vec<&str> {
+        let mut v: Vec<&str> = self.qnn.iter().flat_map(|q| q.binaries.iter().map(|b| b.arch.as_str())).collect();
+        v.sort_unstable();
+        v.dedup();
         v
     }
 
@@ -653,6 +705,29 @@ impl Manifest {
         for (key, f) in [("tokenizer.file", &self.tokenizer.file), ("tables.file", &self.tables.file)] {
             if !is_plain_file_name(f) {
                 return Err(format!("{key} {f:?} must be a file name inside the bundle"));
+            }
+        }
+        if let Some(q) = &self.qnn {
+            for (i, b) in q.binaries.iter().enumerate() {
+                let at = format!("qnn.binaries[{i}]");
+                if b.stack != "talker" && b.stack != "code_predictor" {
+                    return Err(format!("{at}.stack {:?} must be \"talker\" or \"code_predictor\"", b.stack));
+                }
+                if !(b.arch.len() >= 3 && b.arch.starts_with('v') && b.arch[1..].bytes().all(|c| c.is_ascii_digit())) {
+                    return Err(format!("{at}.arch {:?} must name an HTP architecture such as \"v73\"", b.arch));
+                }
+                if !is_plain_file_name(&b.file) {
+                    return Err(format!("{at}.file {:?} must be a file name inside the bundle", b.file));
+                }
+                if b.slots == 0 || b.positions == 0 {
+                    return Err(format!("{at}: slots and positions must be positive"));
+                }
+                if b.precision != "fp16" && b.precision != "w8a16" {
+                    return Err(format!("{at}.precision {:?} must be \"fp16\" or \"w8a16\"", b.precision));
+                }
+                if b.graph.is_empty() {
+                    return Err(format!("{at}.graph is empty"));
+                }
             }
         }
         Ok(())

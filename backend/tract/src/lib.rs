@@ -38,45 +38,71 @@ impl Backend for Tract {
     }
 
     fn load(&self, dir: &Path, manifest: &Manifest, form: VocoderForm) -> Result<Box<dyn LoadedGraphs>, BackendError> {
-        let info_of = |name: &str| {
-            manifest.graphs.get(name).ok_or_else(|| BackendError::Unsupported(format!("bundle.toml has no graph {name:?}")))
-        };
-        let vocoder_key = manifest.vocoder_graph(form).ok_or_else(|| {
-            BackendError::Unsupported(format!(
-                "the bundle has no {form} vocoder graph ([vocoder].stream_graph is missing: re-export it with a current herald-export, or use synthesis.vocoder = \"windowed\")"
-            ))
-        })?;
-        let talker_info = info_of(&manifest.talker.graph)?;
-        let predictor_info = info_of(&manifest.code_predictor.graph)?;
-        let vocoder_info = info_of(vocoder_key)?;
-        let vocoder_sizes: Vec<Option<usize>> = match form {
-            VocoderForm::Windowed => vec![None],
-            VocoderForm::Stateful => vocoder::STREAM_PLAN_FRAMES.iter().map(|&n| Some(n)).collect(),
-        };
-        // The three graphs are independent: each is read, typed and optimized on its own
-        // thread, so a board with more than one core opens the bundle in about the time of the
-        // slowest graph rather than the sum (tract's optimizer is single-threaded).
-        let (talker, predictor, vocoder_plans) = std::thread::scope(|s| {
-            let t = std::thread::Builder::new()
-                .name("load-talker".into())
-                .spawn_scoped(s, || graph::load(dir, &manifest.talker.graph, talker_info));
-            let p = std::thread::Builder::new()
-                .name("load-predictor".into())
-                .spawn_scoped(s, || graph::load(dir, &manifest.code_predictor.graph, predictor_info));
-            let v = graph::load_plans(dir, vocoder_key, vocoder_info, &vocoder_sizes);
-            let finish = |h: std::io::Result<std::thread::ScopedJoinHandle<'_, Result<graph::Graph, BackendError>>>| match h {
-                Ok(h) => h.join().unwrap_or_else(|_| Err(BackendError::Unsupported("a graph loader thread panicked".into()))),
-                Err(e) => Err(BackendError::Unsupported(format!("cannot start a graph loader thread: {e}"))),
-            };
-            (finish(t), finish(p), v)
-        });
-        let (talker, predictor) = (talker?, predictor?);
-        let vocoder = match form {
-            VocoderForm::Windowed => vocoder_plans?.into_iter().map(|g| (0, g)).collect(),
-            VocoderForm::Stateful => vocoder::STREAM_PLAN_FRAMES.iter().copied().zip(vocoder_plans?).collect(),
-        };
-        Ok(Box::new(TractGraphs { manifest: manifest.clone(), talker, predictor, vocoder, vocoder_form: form }))
+        load(dir, manifest, form, true)
     }
+}
+
+/// The vocoder alone on tract, for a backend that runs the step graphs elsewhere (the QNN
+/// backend on the NPU): loads only the vocoder graph; its graphs have no step sessions.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct TractVocoderOnly;
+
+impl Backend for TractVocoderOnly {
+    fn name(&self) -> &'static str {
+        "tract"
+    }
+
+    fn load(&self, dir: &Path, manifest: &Manifest, form: VocoderForm) -> Result<Box<dyn LoadedGraphs>, BackendError> {
+        load(dir, manifest, form, false)
+    }
+}
+
+fn load(dir: &Path, manifest: &Manifest, form: VocoderForm, steps: bool) -> Result<Box<dyn LoadedGraphs>, BackendError> {
+    let info_of =
+        |name: &str| manifest.graphs.get(name).ok_or_else(|| BackendError::Unsupported(format!("bundle.toml has no graph {name:?}")));
+    let vocoder_key = manifest.vocoder_graph(form).ok_or_else(|| {
+        BackendError::Unsupported(format!(
+            "the bundle has no {form} vocoder graph ([vocoder].stream_graph is missing: re-export it with a current herald-export, or use synthesis.vocoder = \"windowed\")"
+        ))
+    })?;
+    let talker_info = info_of(&manifest.talker.graph)?;
+    let predictor_info = info_of(&manifest.code_predictor.graph)?;
+    let vocoder_info = info_of(vocoder_key)?;
+    let vocoder_sizes: Vec<Option<usize>> = match form {
+        VocoderForm::Windowed => vec![None],
+        VocoderForm::Stateful => vocoder::STREAM_PLAN_FRAMES.iter().map(|&n| Some(n)).collect(),
+    };
+    // The three graphs are independent: each is read, typed and optimized on its own
+    // thread, so a board with more than one core opens the bundle in about the time of the
+    // slowest graph rather than the sum (tract's optimizer is single-threaded).
+    let (talker, predictor, vocoder_plans) = std::thread::scope(|s| {
+        let spawn = |name: &str, graph: &'static str| {
+            let (key, info) = if graph == "talker" {
+                (&manifest.talker.graph, talker_info)
+            } else {
+                (&manifest.code_predictor.graph, predictor_info)
+            };
+            steps.then(|| std::thread::Builder::new().name(name.into()).spawn_scoped(s, move || graph::load(dir, key, info)))
+        };
+        let t = spawn("load-talker", "talker");
+        let p = spawn("load-predictor", "code_predictor");
+        let v = graph::load_plans(dir, vocoder_key, vocoder_info, &vocoder_sizes);
+        type Handle<'s> = std::io::Result<std::thread::ScopedJoinHandle<'s, Result<graph::Graph, BackendError>>>;
+        let finish = |h: Option<Handle<'_>>| match h {
+            None => Ok(None),
+            Some(Ok(h)) => {
+                h.join().unwrap_or_else(|_| Err(BackendError::Unsupported("a graph loader thread panicked".into()))).map(Some)
+            }
+            Some(Err(e)) => Err(BackendError::Unsupported(format!("cannot start a graph loader thread: {e}"))),
+        };
+        (finish(t), finish(p), v)
+    });
+    let (talker, predictor) = (talker?, predictor?);
+    let vocoder = match form {
+        VocoderForm::Windowed => vocoder_plans?.into_iter().map(|g| (0, g)).collect(),
+        VocoderForm::Stateful => vocoder::STREAM_PLAN_FRAMES.iter().copied().zip(vocoder_plans?).collect(),
+    };
+    Ok(Box::new(TractGraphs { manifest: manifest.clone(), talker, predictor, vocoder, vocoder_form: form }))
 }
 
 /// A bundle's three graphs, optimized by tract; plans are shared, each session spawns its own
@@ -84,8 +110,9 @@ impl Backend for Tract {
 #[derive(Debug)]
 pub struct TractGraphs {
     manifest: Manifest,
-    talker: graph::Graph,
-    predictor: graph::Graph,
+    /// The step graphs (`None` when loaded by [`TractVocoderOnly`]).
+    talker: Option<graph::Graph>,
+    predictor: Option<graph::Graph>,
     /// The windowed graph (frames 0: symbolic), or the stream graph's concrete plans (frames
     /// per run, [`vocoder::STREAM_PLAN_FRAMES`]).
     vocoder: Vec<(usize, graph::Graph)>,
@@ -103,6 +130,10 @@ impl LoadedGraphs for TractGraphs {
             StackRole::Talker => (&self.talker, &m.talker),
             StackRole::CodePredictor => (&self.predictor, &m.code_predictor),
         };
+        let graph = graph.as_ref().ok_or_else(|| StepError::BadInput {
+            stack: spec.role.key().to_owned(),
+            message: "this tract instance loaded the vocoder only".into(),
+        })?;
         let stack = stack::Stack::new(
             spec.role.key(),
             graph.clone(),
@@ -141,10 +172,12 @@ impl LoadedGraphs for TractGraphs {
 
     fn load_times(&self) -> LoadTimes {
         LoadTimes {
-            talker: self.talker.load_seconds,
-            code_predictor: self.predictor.load_seconds,
+            talker: self.talker.as_ref().map_or(0.0, |g| g.load_seconds),
+            code_predictor: self.predictor.as_ref().map_or(0.0, |g| g.load_seconds),
             vocoder: self.vocoder.iter().map(|(_, g)| g.load_seconds).sum(),
-            from_cache: self.talker.cached && self.predictor.cached && self.vocoder.iter().all(|(_, g)| g.cached),
+            from_cache: self.talker.as_ref().is_none_or(|g| g.cached)
+                && self.predictor.as_ref().is_none_or(|g| g.cached)
+                && self.vocoder.iter().all(|(_, g)| g.cached),
         }
     }
 }
