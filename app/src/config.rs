@@ -334,6 +334,21 @@ settings! {
         /// with one warning; an unwritable directory costs the speed-up (one warning), never
         /// the start. Created on first use; deleting it is always safe.
         graph_cache_dir: PathBuf = PathBuf::from(DEFAULT_GRAPH_CACHE_DIR), FsPath("a directory");
+        /// Which runtime runs the talker and the code predictor. `tract`: the CPU (the bundle's
+        /// ONNX graphs). `qnn`: the Qualcomm NPU, from the bundle's QNN context binaries
+        /// ([backend.md](backend.md)); a missing library, a bundle without binaries for
+        /// `qnn_arch` or a binary that does not match stops herald (exit 4). `auto`: `qnn` on a
+        /// board the probe calls `snapdragon_npu` when the bundle has binaries for it and the
+        /// libraries load, else `tract` (the log says why). The vocoder always runs on the CPU.
+        backend: BackendChoice = BackendChoice::Auto, OneOf, cli backend, flag "--backend";
+        /// The folder holding the board's `libQnnHtp.so` and `libQnnSystem.so` (the vendor's QNN
+        /// runtime; herald does not ship it). Unset: `/usr/lib`,
+        /// `/usr/lib64`, `/usr/lib/aarch64-linux-gnu`, `/usr/local/lib`, `/vendor/lib64`,
+        /// `/odm/lib64` and `LD_LIBRARY_PATH`, in that order.
+        qnn_lib_dir: Option<PathBuf> = None, Opt("the standard locations", FsPath("a directory"));
+        /// The HTP architecture whose context binaries run (`v68`, `v73`, `v75`, `v79`:
+        /// [backend.md](backend.md) lists each SoC's). Unset: the bundle's only one.
+        qnn_arch: Option<String> = None, Opt("the bundle's only architecture", Any("an HTP architecture such as v73"));
         /// MiB of freed memory the decode stage and the vocoder stage may each keep for reuse
         /// (their frame pools, [engine.md](engine.md#allocations)): tract asks for thousands of
         /// blocks per frame, and a pool that holds a stage's working set serves them all without
@@ -675,6 +690,19 @@ impl VocoderChoice {
             VocoderChoice::Stateful => Some(model::backend::VocoderForm::Stateful),
             VocoderChoice::Windowed => Some(model::backend::VocoderForm::Windowed),
         }
+    }
+}
+
+named! {
+    /// `runtime.backend`: which runtime runs the step graphs.
+    BackendChoice {
+        /// `qnn` on a Snapdragon board whose bundle has binaries for it and whose libraries
+        /// load, else `tract`.
+        Auto = "auto",
+        /// The CPU, through tract.
+        Tract = "tract",
+        /// The NPU, through the QNN context binaries.
+        Qnn = "qnn",
     }
 }
 

@@ -5,6 +5,7 @@
 //! Exit codes (docs/config.md "Exit codes"): 0 ok, 2 bad input or config, 3 audio device,
 //! 4 model/bundle, 130 stopped by SIGINT/SIGTERM, 1 anything else (a bug: please report it).
 
+mod backend;
 mod cmd;
 mod config;
 mod exit;

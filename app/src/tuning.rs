@@ -96,7 +96,10 @@ pub fn footprint(dir: &Path, m: &Manifest, form: VocoderForm) -> std::io::Result
         let name = e.file_name();
         let name = name.to_string_lossy();
         let belongs = |f: Option<&str>| f.is_some_and(|f| name == f || name.strip_suffix(".data") == Some(f));
-        if !md.is_file() || name == m.tokenizer.file.as_str() || belongs(unused) {
+        // QNN context binaries are not counted: herald picks the backend after this check, and the
+        // ONNX step graphs it counts instead are what the CPU backend needs (docs/backend.md)
+        let qnn = m.qnn.as_ref().is_some_and(|q| q.binaries.iter().any(|b| name == b.file.as_str()));
+        if !md.is_file() || name == m.tokenizer.file.as_str() || belongs(unused) || qnn {
             continue;
         }
         files += if belongs(used) { md.len() * copies } else { md.len() };

@@ -471,8 +471,20 @@ impl Preparing {
     /// # Errors
     /// [`ServiceError::Bundle`], naming the directory.
     pub fn load(self, dir: &Path, settings: &EngineSettings) -> Result<Speaker, ServiceError> {
-        let engine = Engine::load(dir, &backend_tract::Tract, settings)
-            .map_err(|source| ServiceError::Bundle { dir: dir.to_owned(), source })?;
+        self.load_with(dir, settings, &backend_tract::Tract)
+    }
+
+    /// [`Preparing::load`] on `backend` (the application's `runtime.backend` choice).
+    ///
+    /// # Errors
+    /// [`ServiceError::Bundle`], naming the directory.
+    pub fn load_with(
+        self,
+        dir: &Path,
+        settings: &EngineSettings,
+        backend: &dyn engine::backend::Backend,
+    ) -> Result<Speaker, ServiceError> {
+        let engine = Engine::load(dir, backend, settings).map_err(|source| ServiceError::Bundle { dir: dir.to_owned(), source })?;
         let limits = SegmentLimits::new(self.settings.reading.segment_tokens, settings.kv_capacity);
         Ok(Speaker { engine, amp: self.amp, settings: self.settings, stop: self.stop, limits })
     }

@@ -122,6 +122,25 @@ fn print_info(dir: &Path, m: &engine::Manifest) -> std::io::Result<()> {
             g.outputs.len()
         )?;
     }
+    if let Some(q) = &m.qnn {
+        for arch in m.qnn_arches() {
+            let tiers = |stack: &str| {
+                let bins: Vec<_> = q.binaries.iter().filter(|b| b.arch == arch && b.stack == stack).collect();
+                let bytes: u64 = bins.iter().map(|b| std::fs::metadata(dir.join(&b.file)).map(|md| md.len()).unwrap_or(0)).sum();
+                let slots: Vec<String> = bins.iter().map(|b| b.slots.to_string()).collect();
+                format!("{stack} {} slots ({:.1} MB)", slots.join("/"), bytes as f64 / 1e6)
+            };
+            let precision = q.binaries.iter().find(|b| b.arch == arch).map_or("", |b| b.precision.as_str());
+            writeln!(
+                o,
+                "qnn         {arch} {precision} context binaries: {}, {} (QAIRT {}, {})",
+                tiers("talker"),
+                tiers("code_predictor"),
+                q.sdk,
+                q.compiler
+            )?;
+        }
+    }
     let tables = std::fs::metadata(dir.join(&m.tables.file)).map(|md| md.len()).unwrap_or(0);
     let kv_per_pos = model::footprint::kv_bytes_per_position(&m.talker, m.dtype());
     writeln!(o, "tables      {:>9.1} MB (memory-mapped; only the rows a prompt uses become resident)", tables as f64 / 1e6)?;

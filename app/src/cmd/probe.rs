@@ -49,6 +49,14 @@ fn print_probe(cfg: &Config) -> Result<(), Failure> {
                     for n in &t.derived.notes {
                         let _ = writeln!(o, "note        {n}");
                     }
+                    match crate::backend::choose(cfg, &m, p.class) {
+                        Ok(c) => {
+                            let _ = writeln!(o, "backend     {}", c.why);
+                        }
+                        Err(e) => {
+                            let _ = writeln!(o, "backend     refused: {:#}", e.err);
+                        }
+                    }
                     let _ = writeln!(o, "fingerprint {}", t.fingerprint);
                     let ramp = t.settings.ramp.clone().unwrap_or_default();
                     let cal = match &t.ramp_source {

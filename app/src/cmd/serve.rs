@@ -113,7 +113,9 @@ pub fn run(config: Option<&Path>, args: ServeArgs) -> Result<(), Failure> {
     tuned.log();
     backend_tract::set_compute_threads(tuned.threads);
     backend_tract::set_graph_cache_dir(Some(cfg.runtime.graph_cache_dir.clone()));
-    let speaker = preparing.load(dir, &tuned.settings)?;
+    let chosen = crate::backend::choose(&cfg, &manifest, tuned.profile.class)?;
+    log::info!("{}", chosen.why);
+    let speaker = preparing.load_with(dir, &tuned.settings, chosen.backend.as_ref())?;
     // A language or speaker the bundle lacks would fail every line: refuse to start instead.
     speaker.check_voice().map_err(|e| fail(exit::INPUT, e))?;
     let lines =

@@ -8,7 +8,7 @@ use engine::StopReason;
 use service::{Job, JobError, Speaker, Target};
 
 use super::{init_logging_from, load_config, rss_text};
-use crate::config::{CliOverrides, Config, Sampling, SynthesisMode};
+use crate::config::{BackendChoice, CliOverrides, Config, Sampling, SynthesisMode};
 use crate::exit::{self, Failure, fail};
 use crate::tuning;
 
@@ -47,6 +47,10 @@ pub struct SpeakArgs {
     /// Linear output gain 0.0..=2.0 (overrides audio.volume).
     #[arg(long)]
     volume: Option<f64>,
+    /// Which runtime runs the talker and code predictor (overrides runtime.backend): auto,
+    /// tract or qnn.
+    #[arg(long, value_name = "BACKEND")]
+    backend: Option<BackendChoice>,
 }
 
 /// Run `herald speak`.
@@ -61,6 +65,7 @@ pub fn run(config: Option<&Path>, a: SpeakArgs) -> Result<(), Failure> {
         seed: a.seed,
         mode: a.mode,
         volume: a.volume,
+        backend: a.backend,
         // --seed asks for sampling even when the config says greedy
         sampling: if a.greedy { Some(Sampling::Greedy) } else { a.seed.map(|_| Sampling::Sample) },
         ..CliOverrides::default()
@@ -146,6 +151,9 @@ fn speak(cfg: &Config, text: &str, out: Option<&str>, raw: bool) -> Result<(), F
     tuned.log();
     backend_tract::set_compute_threads(tuned.threads);
     backend_tract::set_graph_cache_dir(Some(cfg.runtime.graph_cache_dir.clone()));
+    // Which runtime runs the step graphs: a `qnn` that cannot work stops here, before the device.
+    let chosen = crate::backend::choose(cfg, &manifest, tuned.profile.class)?;
+    log::info!("{}", chosen.why);
     // Check the text and the voice before touching the device or loading the graphs.
     service::check_in(dir, &manifest, &request)?;
     let sink = target(out, raw)?.open(&settings.output).map_err(|e| fail(exit::sink_code(&e), e))?;
@@ -153,7 +161,7 @@ fn speak(cfg: &Config, text: &str, out: Option<&str>, raw: bool) -> Result<(), F
     let mut preparing = Speaker::prepare(settings, crate::STOP.clone())?;
     // Open the output before loading the graphs: a busy or missing device fails fast.
     let mut sink = preparing.begin_early(sink, rate)?;
-    let mut speaker = match preparing.load(dir, &tuned.settings) {
+    let mut speaker = match preparing.load_with(dir, &tuned.settings, chosen.backend.as_ref()) {
         Ok(s) => s,
         Err(e) => {
             sink.abort();

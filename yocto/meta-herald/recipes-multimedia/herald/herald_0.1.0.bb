@@ -53,6 +53,17 @@ do_install:append() {
     install -m 0644 ${S}/image/overlay/etc/asound.conf ${D}${docdir}/${BPN}/asound.conf.example
 }
 
+# Optional: the talker and code predictor on a Snapdragon NPU (herald's docs/backend.md).
+# herald opens the QNN runtime with dlopen when runtime.backend picks it, so the binary is the
+# same either way (no link dependency); this only makes the image carry the vendor's runtime,
+# which herald never ships. It comes from the BSP (e.g. meta-qcom-robotics-sdk's qti-qnn, which
+# installs libQnnHtp.so, libQnnSystem.so and the HTP stub/skel libraries into /usr/lib); set
+# HERALD_QNN_RUNTIME to your BSP's package and enable it with
+#   PACKAGECONFIG:append:pn-herald = " qnn"
+HERALD_QNN_RUNTIME ?= "qti-qnn"
+PACKAGECONFIG ??= ""
+PACKAGECONFIG[qnn] = ",,,${HERALD_QNN_RUNTIME}"
+
 SYSTEMD_SERVICE:${PN} = "herald.socket herald.service"
 
 CONFFILES:${PN} = "${sysconfdir}/herald/herald.toml"

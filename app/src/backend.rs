@@ -1,0 +1,78 @@
+//! Which backend runs the talker and the code predictor (`runtime.backend`, docs/backend.md).
+
+use std::path::PathBuf;
+use std::sync::Arc;
+
+use board::probe::HardwareClass;
+use model::backend::Backend;
+use model::manifest::Manifest;
+
+use crate::config::{BackendChoice, Config};
+use crate::exit::{self, Failure, fail};
+
+/// The backend chosen for a bundle, and why.
+pub struct Chosen {
+    /// The backend that loads the bundle.
+    pub backend: Box<dyn Backend>,
+    /// One line for the log: which backend runs which stage, and why.
+    pub why: String,
+}
+
+/// The folders searched for the QNN libraries: `runtime.qnn_lib_dir`, else the standard ones.
+pub fn qnn_lib_dirs(cfg: &Config) -> Vec<PathBuf> {
+    backend_qnn::ffi::search_dirs(cfg.runtime.qnn_lib_dir.as_deref())
+}
+
+fn qnn(cfg: &Config, arch: String) -> Box<dyn Backend> {
+    Box::new(backend_qnn::Qnn { lib_dirs: qnn_lib_dirs(cfg), arch: Some(arch), vocoder: Arc::new(backend_tract::TractVocoderOnly) })
+}
+
+/// Choose the backend for `manifest`'s bundle on a board of `class`.
+///
+/// `qnn` is checked here, before anything is loaded: the bundle must have binaries for
+/// `runtime.qnn_arch` (or exactly one arch) and the libraries must open with a QNN API herald
+/// speaks. `auto` takes `qnn` only on a `snapdragon_npu` board where both hold, else `tract`
+/// with the reason in [`Chosen::why`].
+///
+/// # Errors
+/// `runtime.backend = "qnn"` with a bundle lacking the binaries, or libraries that are missing
+/// or speak another API: exit 4 with one line.
+pub fn choose(cfg: &Config, manifest: &Manifest, class: HardwareClass) -> Result<Chosen, Failure> {
+    let tract = |why: String| Chosen { backend: Box::new(backend_tract::Tract), why };
+    let arch = cfg.runtime.qnn_arch.as_deref();
+    match cfg.runtime.backend {
+        BackendChoice::Tract => Ok(tract("backend tract (runtime.backend = \"tract\"): every stage on the CPU".into())),
+        BackendChoice::Qnn => {
+            let (arch, _) = backend_qnn::select(manifest, arch).map_err(|e| fail(exit::BUNDLE, e))?;
+            let libs = backend_qnn::lib_info(&qnn_lib_dirs(cfg))
+                .map_err(|e| fail(exit::BUNDLE, anyhow::Error::new(e).context("runtime.backend = \"qnn\"")))?;
+            let why = format!(
+                "backend qnn (runtime.backend = \"qnn\"): talker and code predictor on the NPU ({arch} binaries, {} core API {} from {}), vocoder on the CPU (tract)",
+                libs.provider,
+                libs.core_api,
+                libs.dir.display()
+            );
+            Ok(Chosen { backend: qnn(cfg, arch), why })
+        }
+        BackendChoice::Auto => {
+            if class != HardwareClass::SnapdragonNpu {
+                return Ok(tract(format!("backend tract (runtime.backend = \"auto\" on a {} board)", class.as_str())));
+            }
+            let arch = match backend_qnn::select(manifest, arch) {
+                Ok((a, _)) => a,
+                Err(e) => return Ok(tract(format!("backend tract, not qnn: {e}"))),
+            };
+            match backend_qnn::lib_info(&qnn_lib_dirs(cfg)) {
+                Ok(libs) => {
+                    let why = format!(
+                        "backend qnn (runtime.backend = \"auto\" on a snapdragon_npu board): talker and code predictor on the NPU ({arch} binaries, {} from {}), vocoder on the CPU (tract)",
+                        libs.provider,
+                        libs.dir.display()
+                    );
+                    Ok(Chosen { backend: qnn(cfg, arch), why })
+                }
+                Err(e) => Ok(tract(format!("backend tract, not qnn: the QNN runtime does not load: {e}"))),
+            }
+        }
+    }
+}
