@@ -133,6 +133,57 @@ impl StackRole {
     }
 }
 
+/// One input of a step graph, by its name in the contract (docs/bundle.md "Step graphs"): what
+/// every backend feeds it from.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum StepInput {
+    /// `x`: `[1, S, hidden_in]`, the step's input vectors.
+    X,
+    /// `cos`: `[1, S, head_dim]`, the RoPE angles' cosines.
+    Cos,
+    /// `sin`: `[1, S, head_dim]`, their sines.
+    Sin,
+    /// `mask_full_past`: `[1, 1, S, slots]`, additive mask over the full caches.
+    FullPast,
+    /// `mask_full_new`: `[1, 1, S, S]`, causal mask over the step's own positions.
+    FullNew,
+    /// `mask_sliding_ring`: `[1, 1, S, window - 1]`, mask over the ring of the sliding layers.
+    RingPast,
+    /// `mask_sliding_new`: `[1, 1, S, S]`, the sliding layers' mask over the step's positions.
+    RingNew,
+    /// `head`: `[1]` int64, the code predictor's head.
+    Head,
+    /// `k_cache_<i>`: layer `i`'s cached keys.
+    K(usize),
+    /// `v_cache_<i>`: layer `i`'s cached values.
+    V(usize),
+}
+
+impl StepInput {
+    /// The input called `name` in a graph of `layers` layers; `None` for a name outside the
+    /// contract (or a cache of a layer the stack does not have).
+    pub fn parse(name: &str, layers: usize) -> Option<Self> {
+        Some(match name {
+            "x" => StepInput::X,
+            "cos" => StepInput::Cos,
+            "sin" => StepInput::Sin,
+            "mask_full_past" => StepInput::FullPast,
+            "mask_full_new" => StepInput::FullNew,
+            "mask_sliding_ring" => StepInput::RingPast,
+            "mask_sliding_new" => StepInput::RingNew,
+            "head" => StepInput::Head,
+            other => {
+                let layer = |p: &str| other.strip_prefix(p).and_then(|i| i.parse::<usize>().ok()).filter(|&i| i < layers);
+                match (layer("k_cache_"), layer("v_cache_")) {
+                    (Some(i), _) => StepInput::K(i),
+                    (_, Some(i)) => StepInput::V(i),
+                    _ => return None,
+                }
+            }
+        })
+    }
+}
+
 /// What a step session is built for.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct StepSpec {

@@ -33,9 +33,10 @@ pub const HTP_LIB: &str = "libQnnHtp.so";
 /// The core API major this backend is written for (qnn.md §3: the provider whose core API
 /// major is 2 is picked, as onnxruntime does).
 pub const CORE_API_MAJOR: u32 = 2;
-/// The oldest core API minor whose function-table order this file knows (QAIRT 2.2x and later
-/// keep `backendSetConfig` at slot 2; older ones lack it and shift every slot).
-pub const CORE_API_MIN_MINOR: u32 = 14;
+/// The oldest core API minor whose function table herald has verified (2.40, QAIRT 2.51:
+/// qnn.md §3). Older tables may be shorter or ordered otherwise (some lacked `backendSetConfig`
+/// at slot 2), and reading past one's end is undefined, so they are refused with the version.
+pub const CORE_API_MIN_MINOR: u32 = 40;
 /// The system API major this backend is written for.
 pub const SYSTEM_API_MAJOR: u32 = 1;
 
@@ -150,6 +151,13 @@ impl DataType {
 /// `Qnn_Tensor_t`: 144 bytes (qnn.md §3, stride checked): `version` u32 @0, the v1/v2 union
 /// @8. Offsets below are inside the union.
 pub const TENSOR_SIZE: usize = 144;
+/// The v1 member of the union ends here (@8 + 104); v2's extra fields follow.
+const T_V1_END: usize = 112;
+
+/// One `Qnn_Tensor_t` as bytes, aligned as the struct (it holds pointers).
+#[derive(Debug, Clone, Copy)]
+#[repr(C, align(8))]
+pub struct RawTensor(pub [u8; TENSOR_SIZE]);
 const T_UNION: usize = 8;
 const T_ID: usize = 0;
 const T_NAME: usize = 8;
@@ -215,8 +223,11 @@ impl TensorInfo {
             let dims = (0..rank as usize).map(|i| ptr::read_unaligned(dims_p.add(i))).collect();
             let definition: u32 = read(u, T_QUANT);
             let encoding: u32 = read(u, T_QUANT + 4);
-            let quant = (definition == QUANT_DEFINED && encoding == QUANT_SCALE_OFFSET)
-                .then(|| ScaleOffset { scale: read(u, T_QUANT + 8), offset: read(u, T_QUANT + 12) });
+            if definition == QUANT_DEFINED && encoding != QUANT_SCALE_OFFSET {
+                return Err(format!("tensor {name:?} uses quantization encoding {encoding} (herald reads scale/offset only)"));
+            }
+            let quant =
+                (definition == QUANT_DEFINED).then(|| ScaleOffset { scale: read(u, T_QUANT + 8), offset: read(u, T_QUANT + 12) });
             let mut raw = [0u8; TENSOR_SIZE];
             ptr::copy_nonoverlapping(p, raw.as_mut_ptr(), TENSOR_SIZE);
             Ok(TensorInfo { name, dtype, dims, quant, raw })
@@ -226,15 +237,19 @@ impl TensorInfo {
     /// A descriptor for execution: the library's own, with raw memory (`memType` 0), the client
     /// buffer set to `data`/`len`, and the name and dimensions pointing at the caller's copies
     /// (the library's die with the system context that described the binary).
-    pub(crate) fn descriptor(&self, name: *const c_char, dims: *const u32, data: *mut c_void, len: u32) -> [u8; TENSOR_SIZE] {
+    pub(crate) fn descriptor(&self, name: *const c_char, dims: *const u32, data: *mut c_void, len: u32) -> RawTensor {
         let mut d = self.raw;
+        // a version-1 descriptor: v2's extra pointers (dynamic dimensions, sparse parameters)
+        // would point into the system context, which is gone
+        d[0..4].copy_from_slice(&1u32.to_ne_bytes());
+        d[T_V1_END..].fill(0);
         let u = T_UNION;
         d[u + T_NAME..u + T_NAME + 8].copy_from_slice(&(name as usize as u64).to_ne_bytes());
         d[u + T_DIMS..u + T_DIMS + 8].copy_from_slice(&(dims as usize as u64).to_ne_bytes());
         d[u + T_MEM_TYPE..u + T_MEM_TYPE + 4].copy_from_slice(&0u32.to_ne_bytes());
         d[u + T_CLIENT_BUF..u + T_CLIENT_BUF + 8].copy_from_slice(&(data as usize as u64).to_ne_bytes());
         d[u + T_CLIENT_BUF + 8..u + T_CLIENT_BUF + 16].copy_from_slice(&(len as u64).to_ne_bytes());
-        d
+        RawTensor(d)
     }
 
     /// The tensor id the backend knows this tensor by.
@@ -272,7 +287,8 @@ pub struct BinaryInfo {
     pub graphs: Vec<GraphInfo>,
 }
 
-/// `QnnSystemContext_BinaryInfo_t` (version 1–3 share the v1 prefix; measured on QAIRT 2.51):
+/// `QnnSystemContext_BinaryInfo_t`, version 3 (measured on QAIRT 2.51; versions 1 and 2 place
+/// the graph list elsewhere and are refused):
 /// `version` @0, the union @8; inside it `backendId` @0, `buildId` @8, core API version @16,
 /// backend API version @28, the context tensors' count @72, the graphs' count @88 and their
 /// array @96. A graph-info entry (`QnnSystemContext_GraphInfo_t`, versions 1–3) is `version`
@@ -401,6 +417,22 @@ unsafe fn slot<F: Copy>(table: *const u8, slot: usize) -> Option<F> {
     }
 }
 
+/// The non-NULL provider pointers `symbol` (a `…_getProviders` function) lists.
+fn providers(lib: &Library, symbol: &str) -> Result<Vec<*const u8>, String> {
+    let name = format!("{symbol}\0");
+    // SAFETY: both getProviders functions have this documented signature.
+    let get: GetProviders = *unsafe { lib.get::<GetProviders>(name.as_bytes()) }.map_err(|e| e.to_string())?;
+    let mut list: *const *const u8 = ptr::null();
+    let mut n = 0u32;
+    // SAFETY: out-pointers to our locals.
+    let e = unsafe { get(&mut list, &mut n) };
+    if code(e) != 0 || list.is_null() || n == 0 {
+        return Err(format!("{symbol} returned {} with {n} providers", code(e)));
+    }
+    // SAFETY: the library returned `n` provider pointers, which live as long as it is loaded.
+    Ok((0..n as usize).map(|i| unsafe { *list.add(i) }).filter(|p| !p.is_null()).collect())
+}
+
 /// `libQnnSystem.so`: describes context binaries.
 pub struct System {
     _lib: Library,
@@ -428,22 +460,8 @@ impl System {
         let lib = open(&path)?;
         let lib_err = |message: String| QnnError::Library { path: path.clone(), message };
         // SAFETY: the symbol's type is the documented `QnnSystemInterface_getProviders`.
-        let get: GetProviders =
-            *unsafe { lib.get::<GetProviders>(b"QnnSystemInterface_getProviders\0") }.map_err(|e| lib_err(e.to_string()))?;
-        let mut list: *const *const u8 = ptr::null();
-        let mut n = 0u32;
-        // SAFETY: out-pointers to our locals.
-        let e = unsafe { get(&mut list, &mut n) };
-        if code(e) != 0 || list.is_null() || n == 0 {
-            return Err(lib_err(format!("QnnSystemInterface_getProviders returned {} with {n} providers", code(e))));
-        }
         let mut seen = Vec::new();
-        for i in 0..n as usize {
-            // SAFETY: the library returned `n` provider pointers.
-            let p = unsafe { *list.add(i) };
-            if p.is_null() {
-                continue;
-            }
+        for p in providers(&lib, "QnnSystemInterface_getProviders").map_err(lib_err)? {
             // SAFETY: a provider is a QnnSystemInterface_t (version @16, table @32).
             let version = unsafe { read_version(p, 16) };
             seen.push(version);
@@ -507,8 +525,10 @@ unsafe fn parse_binary_info(p: *const u8) -> Result<BinaryInfo, QnnError> {
     // SAFETY: the caller guarantees the struct; every pointer read is checked before use.
     unsafe {
         let version: u32 = read(p, 0);
-        if !(1..=3).contains(&version) {
-            return Err(QnnError::Layout(format!("binary info version {version} (herald reads 1 to 3)")));
+        if version != 3 {
+            return Err(QnnError::Layout(format!(
+                "the system library describes binaries in layout version {version}; herald reads version 3 (QAIRT 2.51, system API 1.15): use a QNN runtime of that generation or newer"
+            )));
         }
         let u = p.add(BI_UNION);
         let backend_id: u32 = read(u, BI_BACKEND_ID);
@@ -587,22 +607,8 @@ impl Htp {
         let lib = open(&path)?;
         let lib_err = |message: String| QnnError::Library { path: path.clone(), message };
         // SAFETY: the symbol's type is the documented `QnnInterface_getProviders`.
-        let get: GetProviders =
-            *unsafe { lib.get::<GetProviders>(b"QnnInterface_getProviders\0") }.map_err(|e| lib_err(e.to_string()))?;
-        let mut list: *const *const u8 = ptr::null();
-        let mut n = 0u32;
-        // SAFETY: out-pointers to our locals.
-        let e = unsafe { get(&mut list, &mut n) };
-        if code(e) != 0 || list.is_null() || n == 0 {
-            return Err(lib_err(format!("QnnInterface_getProviders returned {} with {n} providers", code(e))));
-        }
         let mut seen = Vec::new();
-        for i in 0..n as usize {
-            // SAFETY: the library returned `n` provider pointers.
-            let p = unsafe { *list.add(i) };
-            if p.is_null() {
-                continue;
-            }
+        for p in providers(&lib, "QnnInterface_getProviders").map_err(lib_err)? {
             // SAFETY: a provider is a QnnInterface_t (name @8, versions @16 and @28, table @40).
             let (name, core_api, backend_api) =
                 unsafe { (string(read(p, 8)).unwrap_or_default(), read_version(p, 16), read_version(p, 28)) };
@@ -757,12 +763,7 @@ impl Htp {
     ///
     /// # Errors
     /// [`QnnError::Api`] with the library's message.
-    pub unsafe fn execute(
-        &self,
-        graph: Handle,
-        inputs: &[[u8; TENSOR_SIZE]],
-        outputs: &mut [[u8; TENSOR_SIZE]],
-    ) -> Result<(), QnnError> {
+    pub unsafe fn execute(&self, graph: Handle, inputs: &[RawTensor], outputs: &mut [RawTensor]) -> Result<(), QnnError> {
         // SAFETY: forwarded; the arrays are contiguous Qnn_Tensor_t's (144 bytes each).
         let e = unsafe {
             (self.graph_execute)(

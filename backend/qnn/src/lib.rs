@@ -217,10 +217,13 @@ fn check_io(path: &Path, bin: &QnnBinary, info: &BinaryInfo, spec: &ManifestGrap
                 names(&mut want.iter().map(|t| t.name.as_str()))
             )));
         }
-        for w in want.iter() {
+        for (i, w) in want.iter().enumerate() {
             let Some(g) = got.iter().find(|t| t.name == w.name) else {
                 return Err(mismatch(format!("has no {kind} {} that bundle.toml declares", w.name)));
             };
+            if got[i].name != w.name {
+                return Err(mismatch(format!("{kind} {i} is {}, bundle.toml declares {} there", got[i].name, w.name)));
+            }
             let dims: Vec<u32> = w
                 .shape
                 .iter()
@@ -242,8 +245,11 @@ fn check_io(path: &Path, bin: &QnnBinary, info: &BinaryInfo, spec: &ManifestGrap
                 "int64" | "int32" => matches!(g.dtype, DataType::I64 | DataType::I32),
                 _ => false,
             };
-            if !ok || (matches!(g.dtype, DataType::U16Fixed | DataType::U8Fixed) && g.quant.is_none()) {
+            if !ok {
                 return Err(mismatch(format!("{kind} {} is {}, bundle.toml declares {}", w.name, g.dtype.name(), w.dtype)));
+            }
+            if matches!(g.dtype, DataType::U16Fixed | DataType::U8Fixed) && g.quant.is_none() {
+                return Err(mismatch(format!("{kind} {} is {} without a scale and offset", w.name, g.dtype.name())));
             }
         }
     }
@@ -254,7 +260,14 @@ fn check_io(path: &Path, bin: &QnnBinary, info: &BinaryInfo, spec: &ManifestGrap
         if let Some(c) = graph.inputs.iter().find(|i| i.name == cache)
             && (c.dtype != t.dtype || c.quant != t.quant)
         {
-            return Err(mismatch(format!("{} is {} but {cache} is {}", t.name, t.dtype.name(), c.dtype.name())));
+            return Err(mismatch(format!(
+                "{} is {} {:?} but {cache} is {} {:?}: the new entries must be stored as they come",
+                t.name,
+                t.dtype.name(),
+                t.quant,
+                c.dtype.name(),
+                c.quant
+            )));
         }
     }
     if bin.positions != 1 {
@@ -279,7 +292,11 @@ impl Backend for Qnn {
             htp.backend_api,
             lib_dir.display()
         );
-        let (backend, device) = htp.create_backend().map_err(lib_err)?;
+        let (backend, device) = htp.create_backend().map_err(|e| {
+            BackendError::Unsupported(format!(
+                "QNN runtime: {e} (on a board: is the DSP side, libQnnHtpV<arch>Skel.so, reachable through ADSP_LIBRARY_PATH?)"
+            ))
+        })?;
         let runtime = Arc::new(Runtime { htp, backend, device, contexts: Mutex::new(Vec::new()) });
         let mut stacks: [Vec<Arc<Tier>>; 2] = [Vec::new(), Vec::new()];
         let mut seconds = [0.0f64; 2];

@@ -14,30 +14,18 @@ use std::ffi::{CString, c_void};
 use std::sync::Arc;
 
 use half::f16;
-use model::backend::{KvStats, StepError, StepOutput, StepSession};
+use model::backend::{KvStats, StepError, StepInput, StepOutput, StepSession};
 use model::kv::{Ring, Rope, fill_full_masks};
 
-use crate::ffi::{DataType, TENSOR_SIZE, TensorInfo};
+use crate::ffi::{DataType, RawTensor, TensorInfo};
 use crate::{QNN, Runtime, Tier};
 
 fn runtime(stack: &str, message: String) -> StepError {
     StepError::Runtime { stack: stack.to_owned(), backend: QNN, message }
 }
 
-/// Where each graph input comes from.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-enum Feed {
-    X,
-    Cos,
-    Sin,
-    FullPast,
-    FullNew,
-    RingPast,
-    RingNew,
-    Head,
-    K(usize),
-    V(usize),
-}
+/// Where each graph input comes from: the contract's names, shared with every backend.
+type Feed = StepInput;
 
 /// One host buffer in the binary's element type, with what the descriptor needs.
 struct Buf {
@@ -52,7 +40,12 @@ struct Buf {
 impl Buf {
     fn new(info: &TensorInfo) -> Result<Self, String> {
         let size = info.dtype.size().ok_or_else(|| format!("{} has element type {}", info.name, info.dtype.name()))?;
-        let bytes = info.elements() * size;
+        let bytes = info
+            .dims
+            .iter()
+            .try_fold(size, |acc, &d| acc.checked_mul(d as usize))
+            .filter(|&b| b <= u32::MAX as usize)
+            .ok_or_else(|| format!("{} of shape {:?} is larger than 4 GiB", info.name, info.dims))?;
         Ok(Buf {
             name: CString::new(info.name.clone()).map_err(|_| format!("tensor name {:?} holds a NUL", info.name))?,
             dims: info.dims.clone(),
@@ -72,7 +65,7 @@ impl Buf {
         unsafe { std::slice::from_raw_parts_mut(self.data.as_mut_ptr().cast::<u8>(), self.bytes) }
     }
 
-    fn descriptor(&mut self) -> [u8; TENSOR_SIZE] {
+    fn descriptor(&mut self) -> RawTensor {
         let len = self.bytes as u32;
         let data = self.data.as_mut_ptr().cast::<c_void>();
         self.info.descriptor(self.name.as_ptr(), self.dims.as_ptr(), data, len)
@@ -143,8 +136,8 @@ struct TierIo {
     tier: usize,
     inputs: Vec<Buf>,
     outputs: Vec<Buf>,
-    in_desc: Vec<[u8; TENSOR_SIZE]>,
-    out_desc: Vec<[u8; TENSOR_SIZE]>,
+    in_desc: Vec<RawTensor>,
+    out_desc: Vec<RawTensor>,
 }
 
 impl TierIo {
@@ -178,6 +171,8 @@ pub struct QnnStack {
 
     capacity: usize,
     max_seq: usize,
+    /// Heads the code predictor has (`lm_heads`, else num_codebooks - 1); the talker has one.
+    heads: usize,
     next_pos: usize,
     last: KvStats,
     // scratch, sized once
@@ -235,25 +230,12 @@ impl QnnStack {
         }
         let mut feeds = Vec::new();
         for t in &first.info.inputs {
-            let f = match t.name.as_str() {
-                "x" => Feed::X,
-                "cos" => Feed::Cos,
-                "sin" => Feed::Sin,
-                "mask_full_past" => Feed::FullPast,
-                "mask_full_new" => Feed::FullNew,
-                "mask_sliding_ring" => Feed::RingPast,
-                "mask_sliding_new" => Feed::RingNew,
-                "head" => Feed::Head,
-                other => {
-                    let layer = |p: &str| other.strip_prefix(p).and_then(|i| i.parse::<usize>().ok()).filter(|&i| i < layers);
-                    match (layer("k_cache_"), layer("v_cache_")) {
-                        (Some(i), _) => Feed::K(i),
-                        (_, Some(i)) => Feed::V(i),
-                        _ => return Err(bad(format!("unexpected binary input {other}"))),
-                    }
-                }
-            };
+            let f = Feed::parse(&t.name, layers).ok_or_else(|| bad(format!("unexpected binary input {}", t.name)))?;
             feeds.push(f);
+        }
+        let ring_len = window.map_or(0, |w| w as usize - 1);
+        for t in &tiers {
+            check_tier(t, &first, info, hidden_in, ring_len, &sliding).map_err(|m| bad(format!("{}: {m}", t.file)))?;
         }
         let out = |n: &str| first.info.outputs.iter().position(|t| t.name == n);
         let need = |n: &str| out(n).ok_or_else(|| bad(format!("binary has no output {n}")));
@@ -268,7 +250,6 @@ impl QnnStack {
         }
         let head_dim = info.head_dim as usize;
         let max_slots = tiers.iter().map(|t| t.slots).max().unwrap_or(0);
-        let ring_len = window.map_or(0, |w| w as usize - 1);
         let vocab = first.info.outputs[out_logits].elements();
         Ok(QnnStack {
             name: name.to_owned(),
@@ -287,6 +268,7 @@ impl QnnStack {
             hidden_in,
             capacity: capacity.min(max_slots),
             max_seq,
+            heads: info.lm_heads.map_or(usize::MAX, |h| h as usize),
             next_pos: 0,
             last: KvStats::default(),
             cos: vec![0.0; head_dim],
@@ -428,6 +410,14 @@ impl QnnStack {
                 ),
             });
         }
+        if let Some(h) = head
+            && h >= self.heads
+        {
+            return Err(StepError::BadInput {
+                stack: name,
+                message: format!("head {h} does not exist (the stack has {})", self.heads),
+            });
+        }
         let start = self.next_pos;
         let has_full = self.sliding.iter().any(|s| !s);
         let need = if has_full { start + s } else { 1 };
@@ -438,7 +428,7 @@ impl QnnStack {
         let regrown = self.enter(tier, start)?;
         // a multi-position step may overwrite ring slots that earlier positions still see:
         // keep them to undo a failure
-        let ring_saved = self.ring.clone();
+        let ring_saved = if s > 1 { self.ring.clone() } else { None };
         if s > 1
             && self.ring.is_some()
             && let Some(io) = &self.io
@@ -481,7 +471,10 @@ impl QnnStack {
     /// Put the session back where a failed step found it.
     fn undo(&mut self, start: usize, ring: Option<Ring>, restore_ring_slots: bool) {
         self.next_pos = start;
-        self.ring = ring;
+        // a one-position step fails before it commits: its ring is untouched
+        if ring.is_some() {
+            self.ring = ring;
+        }
         if restore_ring_slots && let Some(io) = self.io.as_mut() {
             let mut saved = self.ring_undo.iter();
             for (i, f) in self.feeds.iter().enumerate() {
@@ -527,4 +520,47 @@ impl QnnStack {
     pub fn slots(&self) -> usize {
         self.io.as_ref().map_or(0, |io| self.tiers[io.tier].slots)
     }
+}
+
+/// Check one tier's tensors against the stack's sizes and the first tier's order (the feeds are
+/// computed once, from the first tier): a binary that passed the manifest check but disagrees
+/// with the stack's own dimensions is refused here instead of indexing out of a buffer later.
+fn check_tier(
+    t: &Tier,
+    first: &Tier,
+    info: &model::manifest::StackInfo,
+    hidden_in: usize,
+    ring_len: usize,
+    sliding: &[bool],
+) -> Result<(), String> {
+    let names = |v: &[TensorInfo]| v.iter().map(|t| t.name.clone()).collect::<Vec<_>>();
+    if names(&t.info.inputs) != names(&first.info.inputs) || names(&t.info.outputs) != names(&first.info.outputs) {
+        return Err(format!("inputs or outputs in another order than {}'s", first.file));
+    }
+    let (kv, d, slots) = (info.kv_heads as usize, info.head_dim as usize, t.slots);
+    for x in t.info.inputs.iter().chain(&t.info.outputs) {
+        let dims: Vec<usize> = x.dims.iter().map(|&v| v as usize).collect();
+        let layer = |p: &str| x.name.strip_prefix(p).and_then(|i| i.parse::<usize>().ok());
+        let want: Option<Vec<usize>> = match x.name.as_str() {
+            "x" | "hidden" => Some(vec![1, 1, hidden_in]),
+            "cos" | "sin" => Some(vec![1, 1, d]),
+            "mask_full_past" => Some(vec![1, 1, 1, slots]),
+            "mask_full_new" | "mask_sliding_new" => Some(vec![1, 1, 1, 1]),
+            "mask_sliding_ring" => Some(vec![1, 1, 1, ring_len]),
+            "head" => (x.elements() == 0).then(|| vec![1]),
+            "logits" => (x.elements() == 0 || dims.len() != 3).then(|| vec![1, 1, 0]),
+            n if n.starts_with("k_new_") || n.starts_with("v_new_") => Some(vec![1, 1, kv, d]),
+            _ => match layer("k_cache_").or_else(|| layer("v_cache_")) {
+                Some(l) if sliding.get(l) == Some(&true) => Some(vec![1, ring_len, kv, d]),
+                Some(_) => Some(vec![1, slots, kv, d]),
+                None => None,
+            },
+        };
+        if let Some(w) = want
+            && w != dims
+        {
+            return Err(format!("{} has shape {dims:?}; the stack's sizes need {w:?}", x.name));
+        }
+    }
+    Ok(())
 }

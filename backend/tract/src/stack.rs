@@ -15,7 +15,7 @@
 use std::sync::Arc;
 
 use model::Dtype;
-use model::backend::{KvStats, StepError, StepOutput, StepSession};
+use model::backend::{KvStats, StepError, StepInput, StepOutput, StepSession};
 use model::kv::{Ring, Rope, fill_full_masks, slots_for};
 use model::manifest::{CacheKind, StackInfo};
 use tract_onnx::prelude::*;
@@ -37,20 +37,8 @@ struct LayerCache {
     v: Arc<Tensor>,
 }
 
-/// Where each plan input comes from.
-#[derive(Debug, Clone, Copy)]
-enum Feed {
-    X,
-    Cos,
-    Sin,
-    FullPast,
-    FullNew,
-    RingPast,
-    RingNew,
-    Head,
-    K(usize),
-    V(usize),
-}
+/// Where each plan input comes from: the contract's names, shared with every backend.
+type Feed = StepInput;
 
 /// A step graph plus its caches and input buffers: one sequence at a time.
 pub struct Stack {
@@ -183,26 +171,7 @@ impl Stack {
         }
         let mut feeds = Vec::new();
         for inp in &graph.inputs {
-            let f = match inp.as_str() {
-                "x" => Feed::X,
-                "cos" => Feed::Cos,
-                "sin" => Feed::Sin,
-                "mask_full_past" => Feed::FullPast,
-                "mask_full_new" => Feed::FullNew,
-                "mask_sliding_ring" => Feed::RingPast,
-                "mask_sliding_new" => Feed::RingNew,
-                "head" => Feed::Head,
-                other => {
-                    let layer = |p: &str| other.strip_prefix(p).and_then(|i| i.parse::<usize>().ok()).filter(|&i| i < layers.len());
-                    if let Some(i) = layer("k_cache_") {
-                        Feed::K(i)
-                    } else if let Some(i) = layer("v_cache_") {
-                        Feed::V(i)
-                    } else {
-                        return Err(bad(format!("unexpected graph input {other}")));
-                    }
-                }
-            };
+            let f = Feed::parse(inp, layers.len()).ok_or_else(|| bad(format!("unexpected graph input {inp}")))?;
             feeds.push(f);
         }
         let out = |n: &str| graph.output(n).ok_or_else(|| bad(format!("graph has no output {n}")));
