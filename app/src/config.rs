@@ -2157,6 +2157,8 @@ mod tests {
         c.synthesis.seed = Some(1);
         c.amplifier.chip = Some("gpiochip-label".into());
         c.serve.api_key = Some("secret".into());
+        c.runtime.qnn_lib_dir = Some(PathBuf::from("/usr/lib/qnn"));
+        c.runtime.qnn_arch = Some("v73".into());
         let printed = c.to_toml();
         let table: toml::Table = printed.parse().unwrap();
         let mut printed_keys: Vec<String> = Vec::new();
