@@ -399,10 +399,18 @@ pub fn find_libs(dirs: &[PathBuf]) -> Option<PathBuf> {
     dirs.iter().find(|d| d.join(SYSTEM_LIB).is_file() && d.join(HTP_LIB).is_file()).cloned()
 }
 
+/// Open a QNN library for the rest of the process (`RTLD_NODELETE`): the HTP library keeps
+/// threads of its own after `backendFree`, and unmapping its code under them crashed the test
+/// process (SIGSEGV) when a second load followed a first one's drop. A later open of the same
+/// file finds it loaded.
 fn open(path: &Path) -> Result<Library, QnnError> {
+    let _setup = setup_lock();
+    let flags = libc::RTLD_NOW | libc::RTLD_LOCAL | libc::RTLD_NODELETE;
     // SAFETY: loading a shared library runs its initializers. The QNN libraries are the vendor's
     // runtime, named by configuration; herald trusts them as it trusts the C library.
-    unsafe { Library::new(path) }.map_err(|e| QnnError::Library { path: path.to_owned(), message: e.to_string() })
+    unsafe { libloading::os::unix::Library::open(Some(path), flags) }
+        .map(Library::from)
+        .map_err(|e| QnnError::Library { path: path.to_owned(), message: e.to_string() })
 }
 
 /// Function pointers read out of a provider's inline table.
@@ -491,6 +499,7 @@ impl System {
     /// code 30002 on QAIRT 2.51); [`QnnError::Layout`] when what it returns does not look like
     /// the layout this file knows.
     pub fn describe(&self, bytes: &[u8]) -> Result<BinaryInfo, QnnError> {
+        let _setup = setup_lock();
         let mut ctx: *mut c_void = ptr::null_mut();
         // SAFETY: out-pointer to a local.
         let e = unsafe { (self.create)(&mut ctx) };
@@ -680,6 +689,7 @@ impl Htp {
     /// # Errors
     /// [`QnnError::Api`] with the library's message.
     pub fn create_backend(&self) -> Result<(Handle, Option<Handle>), QnnError> {
+        let _setup = setup_lock();
         let mut be: *mut c_void = ptr::null_mut();
         // SAFETY: NULL logger and config are documented defaults; out-pointer to a local.
         self.check("backendCreate", unsafe { (self.backend_create)(ptr::null_mut(), ptr::null(), &mut be) })?;
@@ -705,6 +715,7 @@ impl Htp {
     /// The handles came from [`Htp::create_backend`], every context made on them is freed, and
     /// they are not used again.
     pub unsafe fn free_backend(&self, backend: Handle, device: Option<Handle>) {
+        let _setup = setup_lock();
         if let (Some(d), Some(f)) = (device, self.device_free) {
             // SAFETY: forwarded.
             unsafe { f(d.0) };
@@ -718,6 +729,7 @@ impl Htp {
     /// # Errors
     /// [`QnnError::Api`] (e.g. a binary for another HTP architecture, or damaged).
     pub fn context_from_binary(&self, backend: Handle, device: Option<Handle>, bytes: &[u8]) -> Result<Handle, QnnError> {
+        let _setup = setup_lock();
         let mut ctx: *mut c_void = ptr::null_mut();
         let dev = device.map_or(ptr::null_mut(), |d| d.0);
         // SAFETY: valid handles, a buffer valid for the call, out-pointer to a local.
@@ -739,6 +751,7 @@ impl Htp {
     /// # Safety
     /// `ctx` came from [`Htp::context_from_binary`] and is not used again.
     pub unsafe fn free_context(&self, ctx: Handle) {
+        let _setup = setup_lock();
         // SAFETY: forwarded.
         unsafe { (self.context_free)(ctx.0, ptr::null_mut()) };
     }
@@ -778,6 +791,15 @@ impl Htp {
         };
         self.check("graphExecute", e)
     }
+}
+
+/// Held around the calls that create or free QNN objects: two bundles loading at once (tests,
+/// a reload while serving) never enter the vendor library's setup paths concurrently. Not on
+/// the step path.
+static SETUP: std::sync::Mutex<()> = std::sync::Mutex::new(());
+
+fn setup_lock() -> std::sync::MutexGuard<'static, ()> {
+    SETUP.lock().unwrap_or_else(|e| e.into_inner())
 }
 
 /// An opaque QNN handle (backend, device, context or graph).
