@@ -5,6 +5,7 @@
     export --preset qwen3-tts-0.6b|qwen3-tts-1.7b --random --seed N [--out BUNDLE] [--dtype ...]
       (real dimensions, random weights, for benchmarks; default --out build/bundles/PRESET-DTYPE)
     qnn --bundle BUNDLE --arch v73|v79|v68 [--soc N] [--talker-slots 256,1024,4096] [--allow-lossy]
+        [--vocoder [--vocoder-frames 2,1]]
       (QNN HTP context binaries of the step graphs, added to the bundle: herald_export.qnn)
 
 q8 / q4 quantize the step graphs' linear weights and run the fidelity gate (herald_export.gate)
@@ -68,6 +69,11 @@ def main(argv: list[str] | None = None) -> int:
                     help="talker cache lengths, one binary each, clipped to max_positions (default 256,1024,4096)")
     qn.add_argument("--allow-lossy", action="store_true",
                     help="with v68: write the binaries even when the w8a16 build fails its fidelity gate")
+    qn.add_argument("--vocoder", action="store_true",
+                    help="also compile the stateful vocoder graph (run on the NPU with runtime.qnn_vocoder = \"npu\"; "
+                    "v73, v79), each binary checked on the simulator against float32")
+    qn.add_argument("--vocoder-frames", default="2,1", metavar="N,N,...",
+                    help="with --vocoder: frames per run, one binary each, 1 among them (default 2,1)")
     qn.add_argument("--quiet", action="store_true", help="no progress bars or reports")
     args = ap.parse_args(argv)
     if args.cmd == "qnn":
@@ -134,11 +140,12 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _qnn(args) -> int:
-    from .qnn import export_qnn, parse_slots
+    from .qnn import export_qnn, parse_frames, parse_slots
 
     try:
+        frames = parse_frames(args.vocoder_frames) if args.vocoder else None
         export_qnn(args.bundle, args.arch, soc=args.soc, talker_slots=parse_slots(args.talker_slots),
-                   quiet=args.quiet, allow_lossy=args.allow_lossy)
+                   quiet=args.quiet, allow_lossy=args.allow_lossy, vocoder_frames=frames)
     except ExportError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

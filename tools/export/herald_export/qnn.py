@@ -3,7 +3,10 @@
 The talker and code-predictor step graphs of a bundle are compiled, through onnxruntime's QNN
 execution provider (the ``onnxruntime-qnn`` plugin package, tools/export/requirements-qnn.txt),
 into context binaries for one Hexagon HTP architecture, written next to the bundle's graphs and
-listed in ``[qnn]`` of bundle.toml. The vocoder is not compiled (it belongs on the GPU).
+listed in ``[qnn]`` of bundle.toml. With ``--vocoder`` the bundle's stateful vocoder graph
+(``[vocoder] stream_graph``) is compiled too, at a few fixed frame counts per run, behind a
+fidelity gate on the simulator; herald runs it on the NPU only when told to
+(``runtime.qnn_vocoder = "npu"``): by default the vocoder stays on the CPU.
 
 - **Static shapes.** A context binary has fixed shapes. Each step graph is made static with
   ``seq`` = 1 (one position per step, prefill included) and ``past`` = a slot count: the talker
@@ -63,6 +66,16 @@ STACKS = ("talker", "code_predictor")
 KV_PREFIXES = ("k_cache_", "v_cache_", "k_new_", "v_new_")
 #: Scratch folder inside the temporary bundle directory (static graphs, EPContext models).
 WORK_DIR = ".qnn-work"
+#: The stack name of the vocoder binaries in ``[[qnn.binaries]]``.
+VOCODER = "vocoder"
+#: Default ``--vocoder-frames``: frames per run of the vocoder binaries (1 must be among them, so
+#: that a chunk of any length decodes as runs of these sizes).
+DEFAULT_VOCODER_FRAMES = (2, 1)
+#: The vocoder gate: output samples of each binary against the float32 stream graph on
+#: onnxruntime's CPU EP, the state carried over ``VOCODER_GATE_RUNS`` runs, SNR at least this.
+#: Measured on the tiny bundles (v73, v79, fp16): 44 dB.
+VOCODER_SNR_DB = 30.0
+VOCODER_GATE_RUNS = 2
 
 
 @dataclass(frozen=True)
@@ -267,6 +280,78 @@ def static_step_graph(model: onnx.ModelProto, slots: int, kv_float16: bool) -> o
     return model
 
 
+def static_vocoder_graph(model: onnx.ModelProto, frames: int, samples_per_frame: int) -> onnx.ModelProto:
+    """``model`` (the bundle's stateful vocoder graph, modified in place and returned) with
+    ``frames`` fixed and ``samples`` = frames x samples_per_frame, the intermediate shapes
+    dropped. Every I/O keeps its element type (``codes`` and ``position`` int64, the rest
+    float32): the state is small next to the weights and crosses the boundary once per run."""
+    g = model.graph
+    for vi in list(g.input) + list(g.output):
+        for d in vi.type.tensor_type.shape.dim:
+            if d.dim_param == "frames":
+                d.dim_value = frames
+            elif d.dim_param == "samples":
+                d.dim_value = frames * samples_per_frame
+            elif d.dim_param:
+                raise ExportError(g.name, f"{vi.name} has the symbolic dim {d.dim_param!r}; the stream vocoder has only frames and samples")
+    del g.value_info[:]
+    return model
+
+
+@dataclass
+class VocoderGate:
+    """One vocoder binary's fidelity on the simulator against float32."""
+
+    name: str
+    frames: int
+    snr_db: float
+    max_abs: float
+
+    @property
+    def passed(self) -> bool:
+        return self.snr_db >= VOCODER_SNR_DB
+
+    def report(self) -> str:
+        return (f"vocoder gate {self.name}: samples SNR {self.snr_db:.1f} dB (>= {VOCODER_SNR_DB:g}), max abs error "
+                f"{self.max_abs:.4f}, {VOCODER_GATE_RUNS} runs of {self.frames} frames against float32")
+
+
+def vocoder_gate(rt: QnnRuntime, ctx_path: Path, reference: Path, frames: int, codebook_size: int, name: str,
+                 seed: int = 0) -> VocoderGate:
+    """Run the compiled vocoder ``ctx_path`` (an EPContext model) on the simulator and the
+    float32 ``reference`` graph on onnxruntime's CPU EP over the same random codes, each carrying
+    its own state over :data:`VOCODER_GATE_RUNS` runs from all-zero states; the SNR of the
+    concatenated samples."""
+    import numpy as np
+
+    with captured_native_output():
+        q = rt.session(ctx_path)
+    cpu = rt.ort.InferenceSession(str(reference), providers=["CPUExecutionProvider"])
+    names = [o.name for o in cpu.get_outputs()]
+
+    def zeros():
+        return {i.name: np.zeros(i.shape, np.int64 if "int64" in i.type else np.float32)
+                for i in cpu.get_inputs() if i.name != "codes"}
+
+    rng = np.random.default_rng(seed)
+    sq, sc, wq, wc = zeros(), zeros(), [], []
+    for _ in range(VOCODER_GATE_RUNS):
+        codes = rng.integers(0, codebook_size, (1, 16, frames)).astype(np.int64)
+        with captured_native_output():
+            oq = q.run(names, {"codes": codes, **sq})
+        oc = cpu.run(names, {"codes": codes, **sc})
+        wq.append(np.asarray(oq[0], np.float64).ravel())
+        wc.append(np.asarray(oc[0], np.float64).ravel())
+        sq = {n.replace("next.", "state.", 1): v for n, v in zip(names[1:], oq[1:])}
+        sc = {n.replace("next.", "state.", 1): v for n, v in zip(names[1:], oc[1:])}
+    a, b = np.concatenate(wq), np.concatenate(wc)
+    err = float(((a - b) ** 2).sum())
+    snr = float("inf") if err == 0 else 10 * np.log10(float((b ** 2).sum()) / err)
+    if not np.isfinite(a).all():
+        snr = float("-inf")
+    return VocoderGate(name, frames, snr, float(np.abs(a - b).max()))
+
+
 def has_dim(model: onnx.ModelProto, name: str) -> bool:
     """Whether any input of ``model`` has the symbolic dim ``name``."""
     return any(d.dim_param == name for vi in model.graph.input for d in vi.type.tensor_type.shape.dim)
@@ -349,11 +434,20 @@ def epcontext_model(binary_file: str, graph: str, sdk: str, inputs, outputs) -> 
 
 # --------------------------------------------------------------------------- the bundle
 def binary_name(stack: str, arch: str, slots: int) -> str:
-    """``qnn_<stack>_<arch>_s<slots>.bin``."""
+    """``qnn_<stack>_<arch>_s<slots>.bin``; the vocoder's ``qnn_vocoder_<arch>_f<frames>.bin``
+    (``slots`` = frames per run)."""
+    if stack == VOCODER:
+        return f"qnn_vocoder_{arch}_f{slots}.bin"
     return f"qnn_{stack}_{arch}_s{slots}.bin"
 
 
-BINARY_RE = re.compile(r"qnn_(talker|code_predictor)_(v[0-9]+)_s([0-9]+)\.bin")
+BINARY_RE = re.compile(r"qnn_(?:(?:talker|code_predictor)_(v[0-9]+)_s|vocoder_(v[0-9]+)_f)([0-9]+)\.bin")
+
+
+def binary_arch(name: str) -> str | None:
+    """The architecture in a binary's file name, ``None`` when it is not named like one."""
+    m = BINARY_RE.fullmatch(name)
+    return (m.group(1) or m.group(2)) if m else None
 
 
 def parse_slots(text: str) -> list[int]:
@@ -364,6 +458,20 @@ def parse_slots(text: str) -> list[int]:
         vals = []
     if not vals or any(v < 1 for v in vals):
         raise ExportError("--talker-slots", f"{text!r}: expected positive integers separated by commas, e.g. 256,1024,4096")
+    return vals
+
+
+def parse_frames(text: str) -> list[int]:
+    """``--vocoder-frames``: ``"2,1"`` -> [1, 2]; ExportError unless positive integers that
+    include 1 (a chunk of any length must decode as runs of these sizes)."""
+    try:
+        vals = sorted({int(s) for s in text.split(",") if s.strip()})
+    except ValueError:
+        vals = []
+    if not vals or any(v < 1 or v > 256 for v in vals):
+        raise ExportError("--vocoder-frames", f"{text!r}: expected frame counts 1..256 separated by commas, e.g. 2,1")
+    if 1 not in vals:
+        raise ExportError("--vocoder-frames", f"{text!r}: must include 1, so that a chunk of any length decodes")
     return vals
 
 
@@ -396,8 +504,16 @@ def _sha256(path: Path) -> str:
 
 
 def load_step_graph(bundle: Path, manifest: dict, stack: str) -> tuple[onnx.ModelProto, Path]:
-    """The bundle's ``stack`` step graph, checked against its sha256 and the graph rules."""
-    entry = manifest["graphs"][stack]
+    """The bundle's ``stack`` graph (a step graph, or with ``stack`` = ``vocoder`` the stateful
+    vocoder graph), checked against its sha256 and the graph rules."""
+    if stack == VOCODER:
+        name = manifest.get("vocoder", {}).get("stream_graph")
+        if not name or name not in manifest.get("graphs", {}):
+            raise ExportError(bundle / "bundle.toml", "has no stateful vocoder graph ([vocoder] stream_graph): "
+                              "--vocoder compiles that graph; re-export the bundle with a current exporter")
+        entry = manifest["graphs"][name]
+    else:
+        entry = manifest["graphs"][stack]
     path = bundle / entry["file"]
     if not path.is_file():
         raise ExportError(path, f"missing: bundle.toml lists it as the {stack} graph")
@@ -445,16 +561,20 @@ def _space_error(e: durable.WriteFailed, bundle: Path) -> ExportError:
 
 
 def export_qnn(bundle: Path, arch_name: str, soc: int | None = None, talker_slots=DEFAULT_TALKER_SLOTS,
-               quiet: bool = False, allow_lossy: bool = False) -> dict:
+               quiet: bool = False, allow_lossy: bool = False, vocoder_frames=None) -> dict:
     """Compile ``bundle``'s talker and code-predictor step graphs for ``arch_name`` and record
-    them in its bundle.toml; returns the new ``[qnn]`` table.
+    them in its bundle.toml; returns the new ``[qnn]`` table. With ``vocoder_frames`` (frame
+    counts per run, 1 among them) the stateful vocoder graph is compiled too, one binary per
+    count, each behind the vocoder gate (:func:`vocoder_gate`, SNR >= :data:`VOCODER_SNR_DB`).
 
     Raises ExportError (the bundle unchanged) for: a directory that is not a bundle, an unknown
     architecture, onnxruntime-qnn missing, a graph that breaks the graph rules, a failed compile
     (the EP's message), a failed v68 fidelity gate (unless ``allow_lossy``), a full disk. Entries
     and files of ``arch_name`` from an earlier run are replaced; other architectures' entries stay
     when they come from the same SDK and compiler, and are dropped with their files otherwise
-    (one ``[qnn] sdk`` describes every binary listed).
+    (one ``[qnn] sdk`` describes every binary listed). A vocoder for v68 (no float path), a
+    bundle without a stream vocoder graph, or a vocoder binary that fails its gate is an
+    ExportError too.
     """
     bundle = Path(bundle)
     if arch_name not in ARCHES:
@@ -477,6 +597,16 @@ def export_qnn(bundle: Path, arch_name: str, soc: int | None = None, talker_slot
         graphs[stack] = load_step_graph(bundle, manifest, stack)
         if not has_dim(graphs[stack][0], "past"):
             raise ExportError(graphs[stack][1], "has no `past` dim (no full-attention layer): nothing to size the binaries by")
+    stacks = STACKS
+    if vocoder_frames:
+        if arch.precision != "fp16":
+            raise ExportError("--vocoder", f"{arch.name} has no float path: the vocoder is compiled for fp16 architectures "
+                              "(v73, v79) only")
+        graphs[VOCODER] = load_step_graph(bundle, manifest, VOCODER)
+        slots[VOCODER] = sorted({int(f) for f in vocoder_frames})
+        if 1 not in slots[VOCODER]:
+            raise ExportError("--vocoder-frames", "must include 1, so that a chunk of any length decodes")
+        stacks = STACKS + (VOCODER,)
     rt = QnnRuntime.get()
     teacher = None
     if arch.precision == "w8a16":
@@ -506,7 +636,7 @@ def export_qnn(bundle: Path, arch_name: str, soc: int | None = None, talker_slot
         work = tmp / WORK_DIR
         work.mkdir()
         entries, sdk = [], None
-        jobs = [(stack, n) for stack in STACKS for n in slots[stack]]
+        jobs = [(stack, n) for stack in stacks for n in slots[stack]]
         from tqdm import tqdm
 
         gate_reports = []
@@ -516,7 +646,11 @@ def export_qnn(bundle: Path, arch_name: str, soc: int | None = None, talker_slot
                 model, src = graphs[stack]
                 name = binary_name(stack, arch.name, n)
                 bar.set_postfix_str(name)
-                static = static_step_graph(_copy(model), n, kv_float16=arch.precision == "fp16")
+                if stack == VOCODER:
+                    spf = int(manifest["audio"]["samples_per_frame"])
+                    static = static_vocoder_graph(_copy(model), n, spf)
+                else:
+                    static = static_step_graph(_copy(model), n, kv_float16=arch.precision == "fp16")
                 ctx_path = work / f"{stack}_s{n}_ctx.onnx"
                 if arch.precision == "w8a16":
                     from .qnn_quant import quantize_step_graph
@@ -527,6 +661,12 @@ def export_qnn(bundle: Path, arch_name: str, soc: int | None = None, talker_slot
                     _save_work(static, model_path)
                 del static
                 done = compile_context(rt, model_path, ctx_path, arch, soc, src)
+                if stack == VOCODER:
+                    gate = vocoder_gate(rt, ctx_path, src, n, int(manifest["vocoder"].get("codebook_size", 2048)), name)
+                    gate_reports.append(gate.report())
+                    if not gate.passed:
+                        raise ExportError("qnn gate", f"{name} failed the vocoder fidelity gate: samples SNR "
+                                          f"{gate.snr_db:.1f} dB < {VOCODER_SNR_DB:g} dB against float32")
                 if arch.precision == "w8a16":
                     from .qnn_quant import run_gate
 
@@ -551,9 +691,14 @@ def export_qnn(bundle: Path, arch_name: str, soc: int | None = None, talker_slot
                 with _writing(dest):
                     shutil.copyfile(done.binary, dest)
                     os.chmod(dest, 0o644)
-                entries.append({"stack": stack, "arch": arch.name, "soc_model": soc, "file": name,
-                                "sha256": _sha256(dest), "graph": done.graph, "slots": n,
-                                "positions": POSITIONS, "precision": arch.precision})
+                entry = {"stack": stack, "arch": arch.name, "soc_model": soc, "file": name,
+                         "sha256": _sha256(dest), "graph": done.graph}
+                if stack == VOCODER:
+                    entry["frames"] = n
+                else:
+                    entry.update(slots=n, positions=POSITIONS)
+                entry["precision"] = arch.precision
+                entries.append(entry)
                 for p in work.iterdir():
                     p.unlink()
                 bar.update(1)
@@ -572,14 +717,13 @@ def export_qnn(bundle: Path, arch_name: str, soc: int | None = None, talker_slot
             print(f"note: dropping {len(dropped)} binaries of {sorted({e['arch'] for e in dropped})} compiled by "
                   f"{prev.get('compiler')} / QNN SDK {prev.get('sdk')} (this run: {compiler} / {sdk}); "
                   "re-run export qnn for those architectures", file=sys.stderr)
-        binaries = sorted(keep + entries, key=lambda e: (e["arch"], e["stack"], e["slots"]))
+        binaries = sorted(keep + entries, key=lambda e: (e["arch"], e["stack"], e.get("slots", e.get("frames", 0))))
         listed = {e["file"] for e in binaries}
         # the files of entries no longer listed (this architecture's earlier run, dropped ones)
         # and any other file named like a binary of this architecture
         unlisted = {e.get("file") for e in prev.get("binaries", [])} - listed
         for p in list(tmp.iterdir()):
-            m = BINARY_RE.fullmatch(p.name)
-            if p.name not in listed and (p.name in unlisted or (m and m.group(2) == arch.name)):
+            if p.name not in listed and (p.name in unlisted or binary_arch(p.name) == arch.name):
                 p.unlink()
         manifest["qnn"] = {"sdk": sdk, "compiler": compiler, "binaries": binaries}
         from .bundle import _write_manifest

@@ -365,3 +365,82 @@ def test_mask_padding_matches_the_dynamic_graph(tiny_factory):
     sess = ort.InferenceSession(static.SerializeToString(), providers=["CPUExecutionProvider"])
     for feeds, out in teacher.steps("talker", "gate", SLOTS, 40):
         np.testing.assert_allclose(sess.run(["logits"], feeds)[0], out["logits"], rtol=1e-4, atol=1e-4)
+
+
+# --------------------------------------------------------------------------- the vocoder (--vocoder)
+VOCODER_KEYS = {"stack", "arch", "soc_model", "file", "sha256", "graph", "frames", "precision"}
+
+
+def test_vocoder_binaries_pass_the_gate_and_are_listed(bundle_copy, capsys):
+    b = bundle_copy("tiny-0.6b")
+    before = manifest(b)
+    assert main(["qnn", "--bundle", str(b), "--arch", "v79", "--talker-slots", str(SLOTS), "--vocoder",
+                 "--vocoder-frames", "1"]) == 0
+    err = capsys.readouterr().err
+    m = manifest(b)
+    q = m.pop("qnn")
+    assert m == before
+    voc = [e for e in q["binaries"] if e["stack"] == "vocoder"]
+    assert len(voc) == 1 and len(q["binaries"]) == 3
+    e = voc[0]
+    assert set(e) == VOCODER_KEYS
+    assert e["file"] == "qnn_vocoder_v79_f1.bin" and e["frames"] == 1 and e["arch"] == "v79"
+    assert e["soc_model"] == 69 and e["precision"] == "fp16"
+    assert qnn._sha256(b / e["file"]) == e["sha256"]
+    graph, inputs, outputs = binary_io(b / e["file"])
+    assert graph == e["graph"]
+    stream = m["graphs"][m["vocoder"]["stream_graph"]]
+    assert list(inputs) == [i["name"] for i in stream["inputs"]]
+    assert list(outputs) == [o["name"] for o in stream["outputs"]]
+    assert inputs["codes"] == ("INT_64", [1, 16, 1]) and inputs["state.position"] == ("INT_64", [1])
+    assert outputs["wav"] == ("FLOAT_32", [1, m["audio"]["samples_per_frame"]])
+    for name, (dt, dims) in {**inputs, **outputs}.items():
+        if name.startswith(("state.", "next.")) and not name.endswith("position"):
+            assert dt == "FLOAT_32", (name, dt)
+    # the gate's report: the measured SNR and the threshold
+    line = next(x for x in err.splitlines() if x.startswith("vocoder gate qnn_vocoder_v79_f1.bin"))
+    snr = float(re.search(r"samples SNR ([0-9.]+) dB \(>= 30\)", line).group(1))
+    assert snr >= qnn.VOCODER_SNR_DB, line
+    # every key written is documented
+    doc = (EXPORT_DIR.parents[1] / "docs" / "bundle.md").read_text()
+    doc = doc[doc.index("## `bundle.toml`"):]
+    documented = set(re.findall(r"^\| `([a-z_<>\[\].0-9]+)` \|", doc, flags=re.M))
+    assert {f"qnn.binaries[].{k}" for k in VOCODER_KEYS} <= documented
+    # a re-run without --vocoder replaces the architecture's entries: the vocoder's go too
+    assert run_qnn(b, "v79") == 0
+    assert [e for e in manifest(b)["qnn"]["binaries"] if e["stack"] == "vocoder"] == []
+    assert not (b / "qnn_vocoder_v79_f1.bin").exists()
+
+
+def test_vocoder_gate_failure_and_bad_flags_leave_the_bundle(bundle_copy, monkeypatch, capsys):
+    b = bundle_copy("tiny-0.6b")
+    before = tree(b)
+    for args, msg in [
+        (["--arch", "v79", "--vocoder-frames", "2"], "--vocoder-frames: '2': must include 1"),
+        (["--arch", "v79", "--vocoder-frames", "0,1"], "expected frame counts 1..256"),
+        (["--arch", "v68", "--vocoder-frames", "1"], "v68 has no float path"),
+    ]:
+        assert main(["qnn", "--bundle", str(b), "--talker-slots", str(SLOTS), "--quiet", "--vocoder", *args]) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and msg in err, err
+        assert tree(b) == before
+    # a bundle without the stream graph
+    man = manifest(b)
+    del man["vocoder"]["stream_graph"]
+    (b / "bundle.toml").write_text(tomli_w.dumps(man))
+    before = tree(b)
+    assert main(["qnn", "--bundle", str(b), "--arch", "v79", "--talker-slots", str(SLOTS), "--quiet", "--vocoder"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "has no stateful vocoder graph" in err, err
+    assert tree(b) == before
+
+
+def test_vocoder_gate_failure_is_refused(bundle_copy, monkeypatch, capsys):
+    b = bundle_copy("tiny-0.6b")
+    before = tree(b)
+    monkeypatch.setattr(qnn, "VOCODER_SNR_DB", 1000.0)
+    assert main(["qnn", "--bundle", str(b), "--arch", "v79", "--talker-slots", str(SLOTS), "--quiet", "--vocoder",
+                 "--vocoder-frames", "1"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "qnn_vocoder_v79_f1.bin failed the vocoder fidelity gate: samples SNR" in err, err
+    assert tree(b) == before
