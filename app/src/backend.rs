@@ -24,7 +24,12 @@ pub fn qnn_lib_dirs(cfg: &Config) -> Vec<PathBuf> {
 }
 
 fn qnn(cfg: &Config, arch: String) -> Box<dyn Backend> {
-    Box::new(backend_qnn::Qnn { lib_dirs: qnn_lib_dirs(cfg), arch: Some(arch), vocoder: Arc::new(backend_tract::TractVocoderOnly) })
+    Box::new(backend_qnn::Qnn {
+        lib_dirs: qnn_lib_dirs(cfg),
+        arch: Some(arch),
+        vocoder: Arc::new(backend_tract::TractVocoderOnly),
+        npu_vocoder: false,
+    })
 }
 
 /// Choose the backend for `manifest`'s bundle on a board of `class`.

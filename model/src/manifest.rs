@@ -399,11 +399,13 @@ pub struct QnnSection {
     pub binaries: Vec<QnnBinary>,
 }
 
-/// `[[qnn.binaries]]`: one step graph compiled for one HTP architecture at static shapes.
+/// `[[qnn.binaries]]`: one graph compiled for one HTP architecture at static shapes: a step graph
+/// (`talker`, `code_predictor`: `slots` and `positions`) or the stateful vocoder (`vocoder`:
+/// `frames`).
 #[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct QnnBinary {
-    /// `talker` or `code_predictor`.
+    /// `talker`, `code_predictor` or `vocoder`.
     pub stack: String,
     /// The HTP architecture (`v68`, `v73`, `v75`, `v79`).
     pub arch: String,
@@ -416,10 +418,17 @@ pub struct QnnBinary {
     pub sha256: String,
     /// The graph's name inside the binary.
     pub graph: String,
-    /// The static `past` size: KV-cache slots of every `full` layer.
+    /// The static `past` size: KV-cache slots of every `full` layer (step graphs; 0, absent, for
+    /// the vocoder).
+    #[serde(default)]
     pub slots: u32,
-    /// The static `seq` size: positions per execution.
+    /// The static `seq` size: positions per execution (step graphs; 0, absent, for the vocoder).
+    #[serde(default)]
     pub positions: u32,
+    /// The vocoder's static `frames`: frames decoded per execution (`frames` × samples per frame
+    /// out); 0, absent, for the step graphs.
+    #[serde(default)]
+    pub frames: u32,
     /// `fp16` (float16 compute, v73+) or `w8a16` (8-bit weights, 16-bit activations).
     pub precision: String,
 }
@@ -710,17 +719,27 @@ impl Manifest {
         if let Some(q) = &self.qnn {
             for (i, b) in q.binaries.iter().enumerate() {
                 let at = format!("qnn.binaries[{i}]");
-                if b.stack != "talker" && b.stack != "code_predictor" {
-                    return Err(format!("{at}.stack {:?} must be \"talker\" or \"code_predictor\"", b.stack));
+                match b.stack.as_str() {
+                    "talker" | "code_predictor" => {
+                        if b.slots == 0 || b.positions == 0 || b.frames != 0 {
+                            return Err(format!("{at}: a step graph's binary has positive slots and positions and no frames"));
+                        }
+                    }
+                    "vocoder" => {
+                        if b.frames == 0 || b.slots != 0 || b.positions != 0 {
+                            return Err(format!("{at}: a vocoder binary has positive frames and no slots or positions"));
+                        }
+                        if self.vocoder.stream_graph.is_none() {
+                            return Err(format!("{at}: a vocoder binary needs the stream graph ([vocoder] stream_graph)"));
+                        }
+                    }
+                    _ => return Err(format!("{at}.stack {:?} must be \"talker\", \"code_predictor\" or \"vocoder\"", b.stack)),
                 }
                 if !(b.arch.len() >= 3 && b.arch.starts_with('v') && b.arch[1..].bytes().all(|c| c.is_ascii_digit())) {
                     return Err(format!("{at}.arch {:?} must name an HTP architecture such as \"v73\"", b.arch));
                 }
                 if !is_plain_file_name(&b.file) {
                     return Err(format!("{at}.file {:?} must be a file name inside the bundle", b.file));
-                }
-                if b.slots == 0 || b.positions == 0 {
-                    return Err(format!("{at}: slots and positions must be positive"));
                 }
                 if b.precision != "fp16" && b.precision != "w8a16" {
                     return Err(format!("{at}.precision {:?} must be \"fp16\" or \"w8a16\"", b.precision));

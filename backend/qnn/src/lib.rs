@@ -7,12 +7,15 @@
 //! carries a build of `libQnnHtp.so` that simulates the NPU, which the tests use). Each binary
 //! is described through the system API and checked against `bundle.toml` (graph name, every
 //! input's and output's name, shape and element type, the SoC it was compiled for) before a
-//! context is made from it. Steps run on [`session::QnnStack`]. The vocoder stays on the CPU:
-//! [`Qnn`] hands it to another backend (tract), as the edge design measured it better off the NPU.
+//! context is made from it. Steps run on [`session::QnnStack`]. The vocoder stays on the CPU by
+//! default: [`Qnn`] hands it to another backend (tract), as the edge design measured it better
+//! off the NPU; with [`Qnn::npu_vocoder`] it runs from the bundle's vocoder binaries instead
+//! ([`vocoder::QnnVocoder`], stateful only).
 
 pub mod error;
 pub mod ffi;
 pub mod session;
+pub mod vocoder;
 
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
@@ -99,13 +102,21 @@ pub struct Qnn {
     pub lib_dirs: Vec<PathBuf>,
     /// The HTP architecture to run (`None`: the bundle's only one).
     pub arch: Option<String>,
-    /// The backend that loads and runs the vocoder graph (tract).
+    /// The backend that loads and runs the vocoder graph (tract) unless `npu_vocoder`.
     pub vocoder: Arc<dyn Backend>,
+    /// Run the vocoder from the bundle's vocoder context binaries (`stack = "vocoder"`) instead
+    /// of `vocoder`: a load fails when the bundle has none for the architecture, or when the
+    /// vocoder form asked for is not stateful.
+    pub npu_vocoder: bool,
 }
 
 impl std::fmt::Debug for Qnn {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("Qnn").field("lib_dirs", &self.lib_dirs).field("arch", &self.arch).finish_non_exhaustive()
+        f.debug_struct("Qnn")
+            .field("lib_dirs", &self.lib_dirs)
+            .field("arch", &self.arch)
+            .field("npu_vocoder", &self.npu_vocoder)
+            .finish_non_exhaustive()
     }
 }
 
@@ -141,6 +152,25 @@ pub fn select<'m>(manifest: &'m Manifest, arch: Option<&str>) -> Result<(String,
     Ok((arch, bins))
 }
 
+/// The vocoder binaries of `manifest` for `arch` (`stack = "vocoder"`), fewest frames first.
+///
+/// # Errors
+/// [`BackendError::Unsupported`] naming the export command when there are none.
+pub fn vocoder_binaries<'m>(manifest: &'m Manifest, arch: &str) -> Result<Vec<&'m QnnBinary>, BackendError> {
+    let mut v: Vec<&QnnBinary> =
+        manifest.qnn.iter().flat_map(|q| q.binaries.iter()).filter(|b| b.arch == arch && b.stack == VOCODER).collect();
+    if v.is_empty() {
+        return Err(BackendError::Unsupported(format!(
+            "runtime.qnn_vocoder = \"npu\" but the bundle has no {arch} vocoder context binaries: export them with `tools/export/export qnn --arch {arch} --vocoder`"
+        )));
+    }
+    v.sort_by_key(|b| b.frames);
+    Ok(v)
+}
+
+/// The `stack` of vocoder binaries in bundle.toml.
+pub const VOCODER: &str = "vocoder";
+
 /// The loaded libraries, backend, device and contexts; freed in order when the last graph or
 /// session goes.
 pub struct Runtime {
@@ -171,7 +201,7 @@ impl Drop for Runtime {
 
 /// One binary of a stack, ready to execute.
 pub struct Tier {
-    /// The static `past` size.
+    /// The static `past` size (a vocoder binary: frames per execution).
     pub slots: usize,
     /// The graph handle inside its context.
     graph: Handle,
@@ -189,8 +219,15 @@ impl std::fmt::Debug for Tier {
     }
 }
 
-/// Check a binary's graph against the manifest's graph, at the binary's static sizes.
-fn check_io(path: &Path, bin: &QnnBinary, info: &BinaryInfo, spec: &ManifestGraph) -> Result<GraphInfo, BackendError> {
+/// Check a binary's graph against the manifest's graph, at the binary's static sizes (a step
+/// graph's `seq` and `past`; the vocoder's `frames` and `samples` = frames × `samples_per_frame`).
+fn check_io(
+    path: &Path,
+    bin: &QnnBinary,
+    info: &BinaryInfo,
+    spec: &ManifestGraph,
+    samples_per_frame: u32,
+) -> Result<GraphInfo, BackendError> {
     let mismatch = |message: String| BackendError::Mismatch { path: path.to_owned(), message };
     if let (Some(soc), Some(want)) = (info.soc_model, Some(bin.soc_model))
         && soc != want
@@ -229,16 +266,20 @@ fn check_io(path: &Path, bin: &QnnBinary, info: &BinaryInfo, spec: &ManifestGrap
                 .iter()
                 .map(|d| match d {
                     Dim::Fixed(n) => *n as u32,
-                    Dim::Symbol(s) if s == "seq" => bin.positions,
-                    Dim::Symbol(s) if s == "past" => bin.slots,
+                    Dim::Symbol(s) if s == "seq" && bin.stack != VOCODER => bin.positions,
+                    Dim::Symbol(s) if s == "past" && bin.stack != VOCODER => bin.slots,
+                    Dim::Symbol(s) if s == "frames" && bin.stack == VOCODER => bin.frames,
+                    Dim::Symbol(s) if s == "samples" && bin.stack == VOCODER => bin.frames.saturating_mul(samples_per_frame),
                     Dim::Symbol(_) => 0,
                 })
                 .collect();
             if g.dims != dims {
-                return Err(mismatch(format!(
-                    "{kind} {} has shape {:?}, bundle.toml implies {:?} at {} slots and {} positions",
-                    w.name, g.dims, dims, bin.slots, bin.positions
-                )));
+                let at = if bin.stack == VOCODER {
+                    format!("{} frames", bin.frames)
+                } else {
+                    format!("{} slots and {} positions", bin.slots, bin.positions)
+                };
+                return Err(mismatch(format!("{kind} {} has shape {:?}, bundle.toml implies {:?} at {at}", w.name, g.dims, dims)));
             }
             let ok = match w.dtype.as_str() {
                 "float32" | "float16" => matches!(g.dtype, DataType::F32 | DataType::F16 | DataType::U16Fixed | DataType::U8Fixed),
@@ -270,7 +311,7 @@ fn check_io(path: &Path, bin: &QnnBinary, info: &BinaryInfo, spec: &ManifestGrap
             )));
         }
     }
-    if bin.positions != 1 {
+    if bin.stack != VOCODER && bin.positions != 1 {
         return Err(mismatch(format!("has {} positions per execution; herald runs binaries of 1", bin.positions)));
     }
     Ok(graph.clone())
@@ -283,6 +324,14 @@ impl Backend for Qnn {
 
     fn load(&self, dir: &Path, manifest: &Manifest, form: VocoderForm) -> Result<Box<dyn LoadedGraphs>, BackendError> {
         let (arch, bins) = select(manifest, self.arch.as_deref())?;
+        if self.npu_vocoder {
+            vocoder_binaries(manifest, &arch)?;
+            if form != VocoderForm::Stateful {
+                return Err(BackendError::Unsupported(format!(
+                    "runtime.qnn_vocoder = \"npu\" runs the stateful vocoder only, not the {form} one (set synthesis.vocoder = \"stateful\" or \"auto\")"
+                )));
+            }
+        }
         let lib_err = |e: QnnError| BackendError::Unsupported(format!("QNN runtime: {e}"));
         let (lib_dir, system, htp) = open_libs(&self.lib_dirs).map_err(lib_err)?;
         log::info!(
@@ -298,13 +347,19 @@ impl Backend for Qnn {
             ))
         })?;
         let runtime = Arc::new(Runtime { htp, backend, device, contexts: Mutex::new(Vec::new()) });
-        let mut stacks: [Vec<Arc<Tier>>; 2] = [Vec::new(), Vec::new()];
-        let mut seconds = [0.0f64; 2];
+        let mut stacks: [Vec<Arc<Tier>>; 3] = [Vec::new(), Vec::new(), Vec::new()];
+        let mut seconds = [0.0f64; 3];
         for bin in bins {
             let t0 = Instant::now();
             let (k, graph_name) = match bin.stack.as_str() {
                 "talker" => (0, &manifest.talker.graph),
-                _ => (1, &manifest.code_predictor.graph),
+                "code_predictor" => (1, &manifest.code_predictor.graph),
+                VOCODER if self.npu_vocoder => match &manifest.vocoder.stream_graph {
+                    Some(g) => (2, g),
+                    None => return Err(BackendError::Unsupported("bundle.toml lists vocoder binaries but no stream graph".into())),
+                },
+                // vocoder binaries stay unloaded while tract runs the vocoder
+                _ => continue,
             };
             let path = dir.join(&bin.file);
             let bytes = std::fs::read(&path).map_err(|e| BackendError::Load { path: path.clone(), message: e.to_string() })?;
@@ -316,7 +371,7 @@ impl Backend for Qnn {
                 .graphs
                 .get(graph_name)
                 .ok_or_else(|| BackendError::Unsupported(format!("bundle.toml has no graph {graph_name:?}")))?;
-            let ginfo = check_io(&path, bin, &info, spec)?;
+            let ginfo = check_io(&path, bin, &info, spec, manifest.audio.samples_per_frame)?;
             let ctx = runtime.htp.context_from_binary(runtime.backend, runtime.device, &bytes).map_err(|e| BackendError::Runtime {
                 path: path.clone(),
                 backend: QNN,
@@ -329,7 +384,7 @@ impl Backend for Qnn {
                 message: e.to_string(),
             })?;
             stacks[k].push(Arc::new(Tier {
-                slots: bin.slots as usize,
+                slots: if k == 2 { bin.frames as usize } else { bin.slots as usize },
                 graph,
                 info: ginfo,
                 lock: Mutex::new(()),
@@ -343,10 +398,10 @@ impl Backend for Qnn {
             }
             stacks[k].sort_by_key(|t| t.slots);
         }
-        let [talker, predictor] = stacks;
+        let [talker, predictor, vocoder_tiers] = stacks;
         let t0 = Instant::now();
-        let vocoder = self.vocoder.load(dir, manifest, form)?;
-        let vocoder_seconds = t0.elapsed().as_secs_f64();
+        let vocoder = if self.npu_vocoder { None } else { Some(self.vocoder.load(dir, manifest, form)?) };
+        let vocoder_seconds = if self.npu_vocoder { seconds[2] } else { t0.elapsed().as_secs_f64() };
         Ok(Box::new(QnnGraphs {
             manifest: manifest.clone(),
             arch,
@@ -355,18 +410,23 @@ impl Backend for Qnn {
             predictor,
             times: LoadTimes { talker: seconds[0], code_predictor: seconds[1], vocoder: vocoder_seconds, from_cache: false },
             vocoder,
+            vocoder_tiers,
         }))
     }
 }
 
-/// A bundle's context binaries, loaded; the vocoder on the other backend.
+/// A bundle's context binaries, loaded; the vocoder on the other backend, or from its own
+/// binaries on the NPU.
 pub struct QnnGraphs {
     manifest: Manifest,
     arch: String,
     runtime: Arc<Runtime>,
     talker: Vec<Arc<Tier>>,
     predictor: Vec<Arc<Tier>>,
-    vocoder: Box<dyn LoadedGraphs>,
+    /// The other backend's vocoder (`None`: the vocoder runs from `vocoder_tiers`).
+    vocoder: Option<Box<dyn LoadedGraphs>>,
+    /// The vocoder binaries, fewest frames first (empty unless the NPU runs the vocoder).
+    vocoder_tiers: Vec<Arc<Tier>>,
     times: LoadTimes,
 }
 
@@ -376,6 +436,7 @@ impl std::fmt::Debug for QnnGraphs {
             .field("arch", &self.arch)
             .field("talker", &self.talker)
             .field("predictor", &self.predictor)
+            .field("vocoder_tiers", &self.vocoder_tiers)
             .finish_non_exhaustive()
     }
 }
@@ -384,6 +445,11 @@ impl QnnGraphs {
     /// The HTP architecture running.
     pub fn arch(&self) -> &str {
         &self.arch
+    }
+
+    /// Whether the vocoder runs on the NPU.
+    pub fn npu_vocoder(&self) -> bool {
+        self.vocoder.is_none()
     }
 }
 
@@ -411,14 +477,36 @@ impl LoadedGraphs for QnnGraphs {
     }
 
     fn vocoder_session(&self, max_window: usize) -> Result<Box<dyn VocoderSession>, VocoderError> {
-        self.vocoder.vocoder_session(max_window)
+        match &self.vocoder {
+            Some(v) => v.vocoder_session(max_window),
+            None => Ok(Box::new(vocoder::QnnVocoder::new(
+                self.runtime.clone(),
+                &self.vocoder_tiers,
+                max_window,
+                self.manifest.audio.samples_per_frame as usize,
+                self.manifest.vocoder.codebook_size,
+            )?)),
+        }
     }
 
     fn stage_compute(&self, stage: &str, cpus: &[usize], pin: PinThread) -> Result<Box<dyn StageCompute>, BackendError> {
-        self.vocoder.stage_compute(stage, cpus, pin)
+        match &self.vocoder {
+            Some(v) => v.stage_compute(stage, cpus, pin),
+            // every stage runs on the NPU: its own thread only calls the graphs
+            None => Ok(Box::new(Inline)),
+        }
     }
 
     fn load_times(&self) -> LoadTimes {
         self.times
+    }
+}
+
+/// A stage whose work the NPU does: `f` runs on the stage's own thread.
+struct Inline;
+
+impl StageCompute for Inline {
+    fn run(&self, f: &mut dyn FnMut()) {
+        f();
     }
 }

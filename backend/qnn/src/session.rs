@@ -28,17 +28,17 @@ fn runtime(stack: &str, message: String) -> StepError {
 type Feed = StepInput;
 
 /// One host buffer in the binary's element type, with what the descriptor needs.
-struct Buf {
-    info: TensorInfo,
+pub(crate) struct Buf {
+    pub(crate) info: TensorInfo,
     name: CString,
     dims: Vec<u32>,
     /// u64 storage keeps every element type aligned.
     data: Vec<u64>,
-    bytes: usize,
+    pub(crate) bytes: usize,
 }
 
 impl Buf {
-    fn new(info: &TensorInfo) -> Result<Self, String> {
+    pub(crate) fn new(info: &TensorInfo) -> Result<Self, String> {
         let size = info.dtype.size().ok_or_else(|| format!("{} has element type {}", info.name, info.dtype.name()))?;
         let bytes = info
             .dims
@@ -55,24 +55,24 @@ impl Buf {
         })
     }
 
-    fn as_bytes(&self) -> &[u8] {
+    pub(crate) fn as_bytes(&self) -> &[u8] {
         // SAFETY: u64 storage viewed as its bytes; `bytes` ≤ 8 × len.
         unsafe { std::slice::from_raw_parts(self.data.as_ptr().cast::<u8>(), self.bytes) }
     }
 
-    fn as_bytes_mut(&mut self) -> &mut [u8] {
+    pub(crate) fn as_bytes_mut(&mut self) -> &mut [u8] {
         // SAFETY: as above, uniquely borrowed.
         unsafe { std::slice::from_raw_parts_mut(self.data.as_mut_ptr().cast::<u8>(), self.bytes) }
     }
 
-    fn descriptor(&mut self) -> RawTensor {
+    pub(crate) fn descriptor(&mut self) -> RawTensor {
         let len = self.bytes as u32;
         let data = self.data.as_mut_ptr().cast::<c_void>();
         self.info.descriptor(self.name.as_ptr(), self.dims.as_ptr(), data, len)
     }
 
     /// Write `values` (float32) at element `at`, converted to the buffer's type.
-    fn write_f32(&mut self, at: usize, values: &[f32]) {
+    pub(crate) fn write_f32(&mut self, at: usize, values: &[f32]) {
         let dtype = self.info.dtype;
         let quant = self.info.quant;
         let b = self.as_bytes_mut();
@@ -105,7 +105,7 @@ impl Buf {
     }
 
     /// Elements `[at, at + out.len())` as float32.
-    fn read_f32(&self, at: usize, out: &mut [f32]) {
+    pub(crate) fn read_f32(&self, at: usize, out: &mut [f32]) {
         let b = self.as_bytes();
         let q = self.info.quant.unwrap_or(crate::ffi::ScaleOffset { scale: 1.0, offset: 0 });
         for (i, o) in out.iter_mut().enumerate() {
@@ -121,7 +121,7 @@ impl Buf {
     }
 
     /// Whether every element is finite (floating types; fixed point always is).
-    fn all_finite(&self) -> bool {
+    pub(crate) fn all_finite(&self) -> bool {
         let b = self.as_bytes();
         match self.info.dtype {
             DataType::F32 => b.chunks_exact(4).all(|c| f32::from_ne_bytes([c[0], c[1], c[2], c[3]]).is_finite()),

@@ -61,7 +61,7 @@ fn setup(name: &str) -> Option<(PathBuf, PathBuf)> {
 }
 
 fn qnn(libs: &Path, arch: &str) -> Qnn {
-    Qnn { lib_dirs: vec![libs.to_owned()], arch: Some(arch.to_owned()), vocoder: Arc::new(TractVocoderOnly) }
+    Qnn { lib_dirs: vec![libs.to_owned()], arch: Some(arch.to_owned()), vocoder: Arc::new(TractVocoderOnly), npu_vocoder: false }
 }
 
 /// A deterministic stream of values in [-1, 1) (xorshift64*).
@@ -427,4 +427,95 @@ fn missing_or_foreign_libraries_are_typed_errors() {
         _ => eprintln!("SKIPPED part: no C compiler (cc) to build the foreign-API libraries"),
     }
     drop(libs);
+}
+
+/// The vocoder SNR the NPU binaries must reach against tract float32 (the exporter's gate,
+/// `herald_export.qnn.VOCODER_SNR_DB`; measured about 44 dB on the tiny bundles).
+const VOCODER_SNR_DB: f64 = 30.0;
+
+/// Decode `frames` in chunks of `sizes` on `s` (from its current state) into one buffer.
+fn decode_chunks(s: &mut dyn model::backend::VocoderSession, frames: &[model::frame::Frame], sizes: &[usize]) -> Vec<f32> {
+    let mut out = vec![0.0f32; frames.len() * 1920];
+    let mut at = 0;
+    for &n in sizes {
+        s.decode(&frames[at..at + n], n, &mut out[at * 1920..(at + n) * 1920]).unwrap_or_else(|e| panic!("chunk of {n}: {e}"));
+        at += n;
+    }
+    assert_eq!(at, frames.len());
+    out
+}
+
+fn sample_snr(want: &[f32], got: &[f32]) -> f64 {
+    let mut c = Compare::default();
+    assert_eq!(want.len(), got.len());
+    for (w, g) in want.iter().zip(got) {
+        c.signal += f64::from(*w) * f64::from(*w);
+        c.noise += f64::from(w - g) * f64::from(w - g);
+    }
+    c.snr_db()
+}
+
+#[test]
+fn npu_vocoder_follows_the_tract_stream_vocoder() {
+    let Some((libs, dir)) = setup("tiny-0.6b-qnn") else { return };
+    let m = engine::read_manifest(&dir).unwrap();
+    let arch = "v79";
+    let frames_per_run: Vec<u32> =
+        m.qnn.as_ref().unwrap().binaries.iter().filter(|b| b.stack == "vocoder" && b.arch == arch).map(|b| b.frames).collect();
+    assert!(
+        frames_per_run.contains(&1) && frames_per_run.len() >= 2,
+        "tiny-0.6b-qnn lacks {arch} vocoder binaries: {frames_per_run:?}"
+    );
+    let q = Qnn { npu_vocoder: true, ..qnn(&libs, arch) };
+    let gq: &'static dyn model::backend::LoadedGraphs = Box::leak(q.load(&dir, &m, VocoderForm::Stateful).unwrap());
+    let gt: &'static dyn model::backend::LoadedGraphs = Box::leak(Tract.load(&dir, &m, VocoderForm::Stateful).unwrap());
+    let mut sq = gq.vocoder_session(8).unwrap();
+    let mut st = gt.vocoder_session(8).unwrap();
+    assert_eq!(sq.form(), VocoderForm::Stateful);
+    let mut noise = Noise(0x0DDB_1A5E_5BAD_5EED);
+    let frames: Vec<model::frame::Frame> =
+        (0..5).map(|_| std::array::from_fn(|_| ((noise.next() + 1.0) * 1023.9) as u32 % m.vocoder.codebook_size)).collect();
+    let want = decode_chunks(st.as_mut(), &frames, &[5]);
+    // one chunk of 5 frames: runs of 2, 2, 1
+    let whole = decode_chunks(sq.as_mut(), &frames, &[5]);
+    assert_eq!(whole.len(), 5 * 1920);
+    let snr_whole = sample_snr(&want, &whole);
+    // the state starts again from zeros, and is carried across chunks of 1, 3 (runs 2, 1), 1;
+    // a failed call in between leaves it as it was
+    sq.reset();
+    let mut chunked = vec![0.0f32; 5 * 1920];
+    sq.decode(&frames[..1], 1, &mut chunked[..1920]).unwrap();
+    let mut bad = frames[1];
+    bad[3] = m.vocoder.codebook_size;
+    let mut scratch = vec![0.0f32; 1920];
+    assert!(sq.decode(&[bad], 1, &mut scratch).is_err(), "a code outside the codebook was decoded");
+    assert!(sq.decode(&frames[1..3], 1, &mut scratch).is_err(), "a window of 2 frames for a chunk of 1 was decoded");
+    assert!(sq.decode(&frames[1..2], 1, &mut scratch[..100]).is_err(), "a short output buffer was filled");
+    let rest = decode_chunks(sq.as_mut(), &frames[1..], &[3, 1]);
+    chunked[1920..].copy_from_slice(&rest);
+    let snr_chunked = sample_snr(&want, &chunked);
+    let snr_between = sample_snr(&whole, &chunked);
+    eprintln!(
+        "{arch} NPU vocoder, 5 frames ({} samples) against tract float32: one chunk {snr_whole:.1} dB, chunks 1+3+1 {snr_chunked:.1} dB; \
+         the two NPU decodes against each other {snr_between:.1} dB",
+        whole.len()
+    );
+    for (what, snr) in [("one chunk", snr_whole), ("chunks 1+3+1", snr_chunked)] {
+        assert!(snr >= VOCODER_SNR_DB, "{what}: samples SNR {snr:.1} dB < {VOCODER_SNR_DB}");
+    }
+    assert!(snr_between >= VOCODER_SNR_DB, "chunked and whole NPU decodes differ: {snr_between:.1} dB");
+    assert!(want.iter().map(|v| v * v).sum::<f32>() > 1.0, "the reference is silent: the comparison would say nothing");
+}
+
+#[test]
+fn npu_vocoder_needs_its_binaries_and_the_stateful_form() {
+    let Some((libs, dir)) = setup("tiny-0.6b-qnn") else { return };
+    let m = engine::read_manifest(&dir).unwrap();
+    // v73 has step binaries only (scripts/test compiles the vocoder for v79)
+    let q = Qnn { npu_vocoder: true, ..qnn(&libs, "v73") };
+    let e = q.load(&dir, &m, VocoderForm::Stateful).expect_err("loaded without vocoder binaries").to_string();
+    assert!(e.contains("no v73 vocoder context binaries") && e.contains("--vocoder"), "{e}");
+    let q = Qnn { npu_vocoder: true, ..qnn(&libs, "v79") };
+    let e = q.load(&dir, &m, VocoderForm::Windowed).expect_err("loaded the windowed form").to_string();
+    assert!(e.contains("stateful"), "{e}");
 }
