@@ -339,8 +339,17 @@ settings! {
         /// ([backend.md](backend.md)); a missing library, a bundle without binaries for
         /// `qnn_arch` or a binary that does not match stops herald (exit 4). `auto`: `qnn` on a
         /// board the probe calls `snapdragon_npu` when the bundle has binaries for it and the
-        /// libraries load, else `tract` (the log says why). The vocoder always runs on the CPU.
+        /// libraries load, else `tract` (the log says why); a QNN runtime that then fails to
+        /// load the binaries under `auto` is logged in one line and tract loads instead. The
+        /// vocoder runs on the CPU unless `qnn_vocoder` says `npu`.
         backend: BackendChoice = BackendChoice::Auto, OneOf, cli backend, flag "--backend";
+        /// Where the vocoder runs when the `qnn` backend runs the talker and the code predictor.
+        /// `cpu`: tract, as with the `tract` backend (the edge design measured the vocoder
+        /// better off the NPU). `npu`: the bundle's vocoder context binaries (`export qnn
+        /// --vocoder`, [backend.md](backend.md)), stateful only; with `backend = "qnn"` a bundle
+        /// without them for `qnn_arch` stops herald (exit 4), under `auto` it keeps the backend
+        /// on `tract`. Ignored when the backend is `tract`.
+        qnn_vocoder: QnnVocoder = QnnVocoder::Cpu, OneOf;
         /// The folder holding the board's `libQnnHtp.so` and `libQnnSystem.so` (the vendor's QNN
         /// runtime; herald does not ship it). Unset: `/usr/lib`,
         /// `/usr/lib64`, `/usr/lib/aarch64-linux-gnu`, `/usr/local/lib`, `/vendor/lib64`,
@@ -703,6 +712,16 @@ named! {
         Tract = "tract",
         /// The NPU, through the QNN context binaries.
         Qnn = "qnn",
+    }
+}
+
+named! {
+    /// `runtime.qnn_vocoder`: where the vocoder runs under the `qnn` backend.
+    QnnVocoder {
+        /// The CPU, through tract.
+        Cpu = "cpu",
+        /// The NPU, from the bundle's vocoder context binaries.
+        Npu = "npu",
     }
 }
 

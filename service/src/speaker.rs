@@ -484,7 +484,33 @@ impl Preparing {
         settings: &EngineSettings,
         backend: &dyn engine::backend::Backend,
     ) -> Result<Speaker, ServiceError> {
-        let engine = Engine::load(dir, backend, settings).map_err(|source| ServiceError::Bundle { dir: dir.to_owned(), source })?;
+        self.load_with_fallback(dir, settings, backend, None)
+    }
+
+    /// [`Preparing::load_with`], and when `backend` fails to load (a runtime that cannot make
+    /// its backend or a context, a binary that does not match the bundle) and a `fallback` is
+    /// given (`runtime.backend = "auto"` chose `backend`), one warning line saying why, then the
+    /// bundle loaded with `fallback`.
+    ///
+    /// # Errors
+    /// [`ServiceError::Bundle`], naming the directory: `backend`'s failure without a fallback,
+    /// else the fallback's.
+    pub fn load_with_fallback(
+        self,
+        dir: &Path,
+        settings: &EngineSettings,
+        backend: &dyn engine::backend::Backend,
+        fallback: Option<&dyn engine::backend::Backend>,
+    ) -> Result<Speaker, ServiceError> {
+        let bundle_err = |source| ServiceError::Bundle { dir: dir.to_owned(), source };
+        let engine = match (Engine::load(dir, backend, settings), fallback) {
+            (Ok(e), _) => e,
+            (Err(e), Some(f)) => {
+                log::warn!("backend {} failed to load, using {} instead: {e}", backend.name(), f.name());
+                Engine::load(dir, f, settings).map_err(bundle_err)?
+            }
+            (Err(e), None) => return Err(bundle_err(e)),
+        };
         let limits = SegmentLimits::new(self.settings.reading.segment_tokens, settings.kv_capacity);
         Ok(Speaker { engine, amp: self.amp, settings: self.settings, stop: self.stop, limits })
     }

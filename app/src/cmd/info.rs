@@ -127,13 +127,19 @@ fn print_info(dir: &Path, m: &engine::Manifest) -> std::io::Result<()> {
             let tiers = |stack: &str| {
                 let bins: Vec<_> = q.binaries.iter().filter(|b| b.arch == arch && b.stack == stack).collect();
                 let bytes: u64 = bins.iter().map(|b| std::fs::metadata(dir.join(&b.file)).map(|md| md.len()).unwrap_or(0)).sum();
+                if stack == "vocoder" {
+                    let frames: Vec<String> = bins.iter().map(|b| b.frames.to_string()).collect();
+                    return format!(", vocoder {} frames per run ({:.1} MB)", frames.join("/"), bytes as f64 / 1e6);
+                }
                 let slots: Vec<String> = bins.iter().map(|b| b.slots.to_string()).collect();
                 format!("{stack} {} slots ({:.1} MB)", slots.join("/"), bytes as f64 / 1e6)
             };
+            let vocoder =
+                if q.binaries.iter().any(|b| b.arch == arch && b.stack == "vocoder") { tiers("vocoder") } else { String::new() };
             let precision = q.binaries.iter().find(|b| b.arch == arch).map_or("", |b| b.precision.as_str());
             writeln!(
                 o,
-                "qnn         {arch} {precision} context binaries: {}, {} (QAIRT {}, {})",
+                "qnn         {arch} {precision} context binaries: {}, {}{vocoder} (QAIRT {}, {})",
                 tiers("talker"),
                 tiers("code_predictor"),
                 q.sdk,

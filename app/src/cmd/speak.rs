@@ -134,7 +134,11 @@ fn speak(cfg: &Config, text: &str, out: Option<&str>, raw: bool) -> Result<(), F
     let t0 = Instant::now();
     let plays = out.is_none() && !raw;
     let settings = crate::speaker::settings(cfg, plays);
-    let request = settings.voice.request(text);
+    let mut request = settings.voice.request(text);
+    // test hook: cap the utterance at this many frames (the HTP simulator tests keep it short)
+    if let Some(n) = std::env::var("HERALD_TEST_MAX_FRAMES").ok().and_then(|v| v.parse::<usize>().ok()) {
+        request.max_frames = Some(n);
+    }
     match request.seed {
         Some(s) => log::info!("sampling with seed {s} (--seed {s} reproduces this run)"),
         None => log::info!("greedy decoding"),
@@ -161,7 +165,7 @@ fn speak(cfg: &Config, text: &str, out: Option<&str>, raw: bool) -> Result<(), F
     let mut preparing = Speaker::prepare(settings, crate::STOP.clone())?;
     // Open the output before loading the graphs: a busy or missing device fails fast.
     let mut sink = preparing.begin_early(sink, rate)?;
-    let mut speaker = match preparing.load_with(dir, &tuned.settings, chosen.backend.as_ref()) {
+    let mut speaker = match preparing.load_with_fallback(dir, &tuned.settings, chosen.backend.as_ref(), chosen.fallback.as_deref()) {
         Ok(s) => s,
         Err(e) => {
             sink.abort();
