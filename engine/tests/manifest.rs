@@ -135,3 +135,35 @@ fn quantized_weights_need_their_quantization_table() {
     let e = parse(&bad).unwrap_err().to_string();
     assert!(e.contains("block_size = 0") && e.contains("32"), "{e}");
 }
+
+/// `[[qnn.binaries]]`: step graphs carry slots and positions, the vocoder frames only.
+#[test]
+fn qnn_vocoder_entries_carry_frames_only() {
+    let entry = |stack: &str, sizes: &str| {
+        format!(
+            "\n[qnn]\nsdk = \"2.51.0\"\ncompiler = \"onnxruntime-qnn 2.7.0\"\n\n[[qnn.binaries]]\nstack = \"{stack}\"\narch = \"v79\"\nsoc_model = 69\n\
+             file = \"qnn_x.bin\"\nsha256 = \"00\"\ngraph = \"g\"\n{sizes}\nprecision = \"fp16\"\n"
+        )
+    };
+    let base = manifest_text();
+    let m = parse(&format!("{base}{}", entry("vocoder", "frames = 2"))).unwrap();
+    let b = &m.qnn.unwrap().binaries[0];
+    assert_eq!((b.stack.as_str(), b.frames, b.slots, b.positions), ("vocoder", 2, 0, 0));
+    let m = parse(&format!("{base}{}", entry("talker", "slots = 64\npositions = 1"))).unwrap();
+    assert_eq!(m.qnn.unwrap().binaries[0].frames, 0);
+    for (stack, sizes, says) in [
+        ("vocoder", "slots = 64\nframes = 2", "a vocoder binary has positive frames"),
+        ("vocoder", "frames = 0", "a vocoder binary has positive frames"),
+        ("talker", "slots = 64\npositions = 1\nframes = 2", "a step graph's binary"),
+        ("talker", "frames = 2", "a step graph's binary"),
+        ("decoder", "frames = 2", "must be \"talker\", \"code_predictor\" or \"vocoder\""),
+    ] {
+        let err = parse(&format!("{base}{}", entry(stack, sizes))).unwrap_err();
+        assert!(err.to_string().contains(says), "{stack} {sizes:?}: {err}");
+    }
+    // a vocoder binary needs the stream graph it was compiled from
+    let no_stream = base.replace("stream_graph = \"vocoder_stream\"\n", "");
+    assert_ne!(no_stream, base);
+    let err = parse(&format!("{no_stream}{}", entry("vocoder", "frames = 2"))).unwrap_err();
+    assert!(err.to_string().contains("needs the stream graph"), "{err}");
+}
