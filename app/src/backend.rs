@@ -88,10 +88,10 @@ pub fn choose(cfg: &Config, manifest: &Manifest, class: HardwareClass) -> Result
             }
             let arch = match backend_qnn::select(manifest, arch) {
                 Ok((a, _)) => a,
-                Err(e) => return Ok(tract(format!("backend tract, not qnn: {e}"))),
+                Err(e) => return Ok(tract(format!("backend tract, not qnn (every stage on the CPU): {e}"))),
             };
             if npu_vocoder && let Err(e) = backend_qnn::vocoder_binaries(manifest, &arch) {
-                return Ok(tract(format!("backend tract, not qnn: {e}")));
+                return Ok(tract(format!("backend tract, not qnn (every stage on the CPU): {e}")));
             }
             match backend_qnn::lib_info(&qnn_lib_dirs(cfg)) {
                 Ok(libs) => {
@@ -103,7 +103,7 @@ pub fn choose(cfg: &Config, manifest: &Manifest, class: HardwareClass) -> Result
                     );
                     Ok(Chosen { backend: qnn(cfg, arch), fallback: Some(Box::new(backend_tract::Tract)), why })
                 }
-                Err(e) => Ok(tract(format!("backend tract, not qnn: the QNN runtime does not load: {e}"))),
+                Err(e) => Ok(tract(format!("backend tract, not qnn (every stage on the CPU): the QNN runtime does not load: {e}"))),
             }
         }
     }
