@@ -12,6 +12,8 @@
 
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
+use std::alloc::{GlobalAlloc, Layout, System};
+use std::cell::Cell;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
@@ -21,6 +23,31 @@ use engine::decoder::{self as synth, Decoder};
 use engine::{Bundle, EngineSettings, Request};
 use model::backend::{Backend, BackendError, StackRole, StepSession, StepSpec, VocoderForm};
 use model::prompt::PromptMode;
+
+/// The heap: counts, per thread, the calls that reach the allocator from Rust (the QNN
+/// libraries' own mallocs are theirs, not herald's).
+struct Counting;
+
+thread_local! {
+    static ALLOCS: Cell<u64> = const { Cell::new(0) };
+}
+
+unsafe impl GlobalAlloc for Counting {
+    unsafe fn alloc(&self, layout: Layout) -> *mut u8 {
+        let _ = ALLOCS.try_with(|c| c.set(c.get() + 1));
+        unsafe { System.alloc(layout) }
+    }
+    unsafe fn dealloc(&self, ptr: *mut u8, layout: Layout) {
+        unsafe { System.dealloc(ptr, layout) }
+    }
+    unsafe fn realloc(&self, ptr: *mut u8, layout: Layout, new_size: usize) -> *mut u8 {
+        let _ = ALLOCS.try_with(|c| c.set(c.get() + 1));
+        unsafe { System.realloc(ptr, layout, new_size) }
+    }
+}
+
+#[global_allocator]
+static GLOBAL: Counting = Counting;
 
 fn repo() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("../..")
@@ -505,6 +532,10 @@ fn npu_vocoder_follows_the_tract_stream_vocoder() {
     }
     assert!(snr_between >= VOCODER_SNR_DB, "chunked and whole NPU decodes differ: {snr_between:.1} dB");
     assert!(want.iter().map(|v| v * v).sum::<f32>() > 1.0, "the reference is silent: the comparison would say nothing");
+    // a steady chunk allocates nothing on herald's side
+    let before = ALLOCS.with(Cell::get);
+    sq.decode(&frames[..1], 1, &mut scratch).unwrap();
+    assert_eq!(ALLOCS.with(Cell::get) - before, 0, "a steady NPU vocoder chunk allocated");
 }
 
 #[test]
