@@ -150,7 +150,8 @@ fn whole_frames_stay_off_the_heap_after_the_first() {
         }
     } else {
         // the stateful vocoder runs every chunk as runs of its fixed-size plans: once each plan
-        // has run (the first odd chunk, 25, runs the 1-frame one) the pool holds every layout
+        // has run (its one 2-frame plan; an odd chunk's last frame runs padded and is held for the next
+        // chunk, which then starts with it) the pool holds every layout
         let first_odd = chunks.iter().position(|&(w, _)| w % 2 == 1).unwrap();
         assert!(chunks[first_odd + 2..].iter().all(|&(_, heap)| heap == 0), "heap allocations per chunk: {chunks:?}");
         assert!(chunks.len() - first_odd > 3, "three steady chunks: {chunks:?}");
@@ -187,10 +188,12 @@ fn the_pipeline_reports_its_threads_off_the_heap() {
     // a fresh engine's decode thread meets its layouts in its first two frames and again when
     // the talker's full caches grow from 64 to 128 slots (prompt + 60 frames > 64 positions).
     // The next utterance keeps the 128 slots and finds its layouts in the pool; only its frame 0
-    // may take a few blocks from the heap, while the prefill's outputs are still alive.
+    // may take blocks from the heap, for the prompt-length layouts of its prefill that the
+    // trims after utterance one gave back (measured 11 with the code predictor's heads in its
+    // graph, 58 with them split off into their own plans; a few dozen, once per utterance).
     assert!((2..=4).contains(&first.memory.decode_frames_on_heap), "{}", first.memory);
     assert!(second.memory.decode_frames_on_heap <= 1, "{}", second.memory);
-    assert!(second.memory.decode_heap_allocations <= 20, "{}", second.memory);
+    assert!(second.memory.decode_heap_allocations <= 80, "{}", second.memory);
     // the steady part (frames after the first two) is exactly zero
     assert_eq!(second.memory.decode_steady_frames, 58, "{:?}", second.memory);
     assert_eq!(second.memory.decode_steady_heap_allocations, 0, "{:?}", second.memory);

@@ -29,6 +29,10 @@ pub(crate) struct Graph {
     pub load_seconds: f64,
     /// Whether the decluttered model came from the graph cache ([`crate::cache`]).
     pub cached: bool,
+    /// The code predictor's heads when they were split off the graph ([`crate::heads`]): the
+    /// output named `logits` is then the final norm's output `hn [1, S, H]`, and the logits
+    /// are head k's product of its last row.
+    pub heads: Option<Arc<crate::heads::Heads>>,
 }
 
 impl Graph {
@@ -90,7 +94,17 @@ fn check_io(path: &Path, kind: &str, got: &[&pb::ValueInfoProto], want: &[Tensor
 /// [`GraphError::Load`] for a missing or undecodable file, [`GraphError::Mismatch`] when the
 /// graph's IO differs from `info`, [`GraphError::Runtime`] when tract cannot optimize it.
 pub(crate) fn load(dir: &Path, name: &str, info: &GraphInfo) -> Result<Graph, GraphError> {
-    let mut plans = load_plans(dir, name, info, &[None])?;
+    let mut plans = load_plans(dir, name, info, &[None], false)?;
+    plans.pop().ok_or_else(|| GraphError::Unsupported(format!("{name}: no plan")))
+}
+
+/// [`load`] for the code predictor: its stacked heads are split off into constant products
+/// ([`crate::heads::split`]) before tract optimizes, when the graph has them.
+///
+/// # Errors
+/// As [`load`].
+pub(crate) fn load_predictor(dir: &Path, name: &str, info: &GraphInfo) -> Result<Graph, GraphError> {
+    let mut plans = load_plans(dir, name, info, &[None], true)?;
     plans.pop().ok_or_else(|| GraphError::Unsupported(format!("{name}: no plan")))
 }
 
@@ -106,11 +120,18 @@ type Decluttered = (TypedModel, Vec<String>, Vec<String>, f64, bool);
 ///
 /// With a graph cache directory set ([`crate::cache`]), the decluttered models come from the
 /// cache when it holds every plan (the ONNX file is then not read), and are written to it
-/// after a parse; optimizing (CPU-specific) always runs.
+/// after a parse; optimizing (CPU-specific) always runs. `split_heads` splits a code
+/// predictor's heads off before optimizing ([`load_predictor`]); the cache keeps the whole graph.
 ///
 /// # Errors
 /// As [`load`].
-pub(crate) fn load_plans(dir: &Path, name: &str, info: &GraphInfo, frames: &[Option<usize>]) -> Result<Vec<Graph>, GraphError> {
+pub(crate) fn load_plans(
+    dir: &Path,
+    name: &str,
+    info: &GraphInfo,
+    frames: &[Option<usize>],
+    split_heads: bool,
+) -> Result<Vec<Graph>, GraphError> {
     let path = dir.join(&info.file);
     let tract_err = |e: TractError| GraphError::Runtime { path: path.clone(), backend: "tract", message: format!("{e:#}") };
     let entries: Vec<Option<crate::cache::Entry>> = frames.iter().map(|f| crate::cache::entry(dir, name, info, *f)).collect();
@@ -137,6 +158,16 @@ pub(crate) fn load_plans(dir: &Path, name: &str, info: &GraphInfo, frames: &[Opt
     let mut plans = Vec::with_capacity(frames.len());
     for (f, (mut model, inputs, outputs, before, cached)) in frames.iter().zip(decluttered) {
         let t = Instant::now();
+        let heads = if split_heads { crate::heads::split(&mut model, &outputs).map_err(tract_err)?.map(Arc::new) } else { None };
+        if split_heads {
+            log::debug!(
+                "{name}: {}",
+                match &heads {
+                    Some(h) => format!("{} heads split off into constant products ({} x {})", h.len(), h.hidden, h.vocab),
+                    None => "no stacked heads to split off (the logits stay in the graph)".into(),
+                }
+            );
+        }
         model.optimize().map_err(tract_err)?;
         let plan = model.into_runnable().map_err(tract_err)?;
         let optimize = t.elapsed().as_secs_f64();
@@ -146,7 +177,7 @@ pub(crate) fn load_plans(dir: &Path, name: &str, info: &GraphInfo, frames: &[Opt
             before + optimize,
             if cached { "cached decluttered model" } else { "read, parse, type and declutter" },
         );
-        plans.push(Graph { plan, inputs, outputs, load_seconds: before + optimize, cached });
+        plans.push(Graph { plan, inputs, outputs, load_seconds: before + optimize, cached, heads });
     }
     Ok(plans)
 }

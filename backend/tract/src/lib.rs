@@ -11,6 +11,7 @@
 pub mod cache;
 pub mod compute;
 mod graph;
+mod heads;
 pub mod profile;
 pub mod sanitize;
 pub mod snake;
@@ -82,11 +83,12 @@ fn load(dir: &Path, manifest: &Manifest, form: VocoderForm, steps: bool) -> Resu
             } else {
                 (&manifest.code_predictor.graph, predictor_info)
             };
-            steps.then(|| std::thread::Builder::new().name(name.into()).spawn_scoped(s, move || graph::load(dir, key, info)))
+            let load = if graph == "talker" { graph::load } else { graph::load_predictor };
+            steps.then(|| std::thread::Builder::new().name(name.into()).spawn_scoped(s, move || load(dir, key, info)))
         };
         let t = spawn("load-talker", "talker");
         let p = spawn("load-predictor", "code_predictor");
-        let v = graph::load_plans(dir, vocoder_key, vocoder_info, &vocoder_sizes);
+        let v = graph::load_plans(dir, vocoder_key, vocoder_info, &vocoder_sizes, false);
         type Handle<'s> = std::io::Result<std::thread::ScopedJoinHandle<'s, Result<graph::Graph, BackendError>>>;
         let finish = |h: Option<Handle<'_>>| match h {
             None => Ok(None),
@@ -160,8 +162,8 @@ impl LoadedGraphs for TractGraphs {
                     .vocoder_graph(VocoderForm::Stateful)
                     .and_then(|k| m.graphs.get(k))
                     .ok_or_else(|| VocoderError("bundle.toml has no stream graph".into()))?;
-                let plans: Vec<(usize, &graph::Graph)> = self.vocoder.iter().map(|(n, g)| (*n, g)).collect();
-                Ok(Box::new(vocoder::TractStreamVocoder::new(&plans, info, max_window, spf)?))
+                let (n, g) = self.vocoder.first().ok_or_else(|| VocoderError("no vocoder plan loaded".into()))?;
+                Ok(Box::new(vocoder::TractStreamVocoder::new((*n, g), info, max_window, spf)?))
             }
         }
     }

@@ -79,6 +79,9 @@ pub struct Stack {
     logits: Vec<f32>,
     /// The last step's hidden state of its last position, `[H]` (empty without a `hidden` output).
     hidden: Vec<f32>,
+    /// The code predictor's heads when split off the graph ([`crate::heads`]): the `logits`
+    /// output is then `hn [1, S, H]` and the logits come from head k's plan.
+    heads: Option<crate::heads::HeadStates>,
 }
 
 impl std::fmt::Debug for Stack {
@@ -184,6 +187,7 @@ impl Stack {
         let ring = window.map_or(1, |w| w - 1);
         let f32t = f32::datum_type();
         let state = graph.plan.spawn().map_err(terr)?;
+        let heads = graph.heads.as_deref().map(crate::heads::HeadStates::new).transpose().map_err(terr)?;
         Ok(Stack {
             name: name.to_owned(),
             state,
@@ -223,6 +227,7 @@ impl Stack {
             last: KvStats::default(),
             logits: Vec::new(),
             hidden: Vec::new(),
+            heads,
         })
     }
 
@@ -301,13 +306,30 @@ impl Stack {
         }
         let outputs = self.state.run(inputs).map_err(|e| runtime(&self.name, format!("{e:#}")))?;
         self.validate(&outputs, s)?;
+        // the last position's logits (through its head when the heads were split off the
+        // graph) and hidden state, copied so tract's tensors go back now; before the caches
+        // move, so a failing head leaves them where they were
+        let last = last_row(&outputs[self.out_logits]);
+        match &mut self.heads {
+            None => {
+                self.logits.clear();
+                self.logits.extend_from_slice(last);
+            }
+            Some(h) => {
+                let k = head.ok_or_else(|| bad("the code predictor's step needs a head".into()))?;
+                h.run(k, last, &mut self.logits).map_err(bad)?;
+                if !self.logits.iter().all(|x| x.is_finite()) {
+                    return Err(StepError::BadOutput {
+                        stack: self.name.clone(),
+                        name: "logits".into(),
+                        message: "holds non-finite values".into(),
+                    });
+                }
+            }
+        }
         let bytes = self.commit(&outputs, s, start)?;
         self.next_pos = start + s;
         self.last = KvStats { bytes_copied: bytes, bytes_regrown: regrown, positions: s, slots: self.last.slots };
-        // the last position's logits and hidden state, copied so tract's tensors go back now
-        let logits = last_row(&outputs[self.out_logits]);
-        self.logits.clear();
-        self.logits.extend_from_slice(logits);
         self.hidden.clear();
         if let Some(o) = self.out_hidden {
             self.hidden.extend_from_slice(last_row(&outputs[o]));
@@ -378,7 +400,9 @@ impl Stack {
             let (rp, rn) = (unique(&name, &mut self.ring_past)?, unique(&name, &mut self.ring_new)?);
             ring.fill_masks(start, s, fill, slice::<f32>(&name, rp)?, slice::<f32>(&name, rn)?);
         }
-        if let Some(hd) = head {
+        // with the heads split off, the graph no longer reads `head` (tract keeps the unused
+        // input's tensor between runs), so it is fed unchanged and the head is chosen after
+        if let (Some(hd), None) = (head, &self.heads) {
             slice::<i64>(&name, unique(&name, &mut self.head)?)?[0] = hd as i64;
         }
         self.last.slots = full_slots;

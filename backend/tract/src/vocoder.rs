@@ -76,15 +76,15 @@ impl VocoderSession for TractVocoder {
     }
 }
 
-/// Frames per run of the stateful vocoder's plans, largest first: a chunk of n frames runs as
-/// n / 2 runs of a plan optimized for exactly 2 frames, plus one run of the 1-frame plan when n
-/// is odd. The stateful decoder is exact for any split, and tract picks its faster convolution
-/// kernels only for concrete shapes (lazy im2col instead of a materialized one): measured at 0.6B
-/// dimensions on one thread of the build machine (`herald bench --profile vocoder
-/// --profile-concrete`), 88 ms per frame for 2-frame runs against 140 ms per frame for one
-/// symbolic 25-frame run; 2-frame runs were as fast as 8- or 25-frame ones with a concrete
-/// plan, and 1-frame runs about 25 % slower (docs/performance.md "Vocoder (issue 13)").
-pub const STREAM_PLAN_FRAMES: [usize; 2] = [2, 1];
+/// Frames per run of the stateful vocoder's one plan: a chunk runs as runs of exactly this many
+/// frames. tract picks its faster convolution kernels only for concrete shapes (lazy im2col
+/// instead of a materialized one): measured at 0.6B dimensions on one thread of the build
+/// machine (`herald bench --profile vocoder --profile-concrete`), 88 ms per frame for 2-frame
+/// runs against 140 ms per frame for one symbolic 25-frame run; 2-frame runs were as fast as 8-
+/// or 25-frame ones (docs/performance.md "Vocoder (issue 13)"). One plan, because each plan
+/// packs its own copy of the weights (467 MB at 0.6B): an odd chunk's last frame runs padded
+/// and is decoded again at the start of the next chunk ([`TractStreamVocoder`]).
+pub const STREAM_PLAN_FRAMES: [usize; 1] = [2];
 
 /// The all-zero carried state of a stream graph's IO `info`: `(name without "state.", tensor)`
 /// for every input after `codes`, in graph order (the start of an utterance).
@@ -121,23 +121,25 @@ pub(crate) fn zero_states(info: &model::manifest::GraphInfo) -> Result<Vec<(Stri
         .collect()
 }
 
-/// One concrete plan of the stream graph and its state.
-struct StreamPlan {
+/// The stateful streaming vocoder on tract (`[vocoder].stream_graph`): codes `[1, 16, p]` plus
+/// the carried `state.<name>` tensors → PCM `[1, p × 1920]` plus `next.<name>` (docs/bundle.md
+/// "Stateful vocoder"), run as one concrete plan of `p` frames ([`STREAM_PLAN_FRAMES`]).
+///
+/// A chunk whose frames (with the ones held over, below) are not a multiple of `p` ends with a
+/// run padded by repeating its last frame: the stream graph is causal (a frame's samples depend
+/// on it and earlier frames only, which is why any split of an utterance decodes exactly), so
+/// the real frames' samples of that run are exact and are written out; the state it returns
+/// would include the padding, so it is dropped, and the real frames are held over and decoded
+/// again, from the state before them, at the start of the next chunk (their samples then
+/// skipped). The cost is at most p - 1 frames decoded twice per chunk and the same number of
+/// padding frames (at 25-frame chunks: 2 of 27 frames), against a second plan's packed weights.
+///
+/// The session owns the state between calls (tract values, swapped for the outputs after each
+/// run; no copy) and resets it to zeros per utterance. Buffers are allocated once.
+pub struct TractStreamVocoder {
     frames: usize,
     state: TypedSimpleState,
     codes: Arc<Tensor>,
-}
-
-/// The stateful streaming vocoder on tract (`[vocoder].stream_graph`): codes `[1, 16, n]` of the
-/// chunk's new frames plus the carried `state.<name>` tensors → PCM `[1, n × 1920]` plus
-/// `next.<name>` (docs/bundle.md "Stateful vocoder"), run as plans of fixed frame counts
-/// ([`STREAM_PLAN_FRAMES`]).
-///
-/// The session owns the state between calls (tract values, swapped for the outputs after each
-/// run; no copy) and resets it to zeros per utterance. The codes inputs are allocated once per
-/// plan.
-pub struct TractStreamVocoder {
-    plans: Vec<StreamPlan>,
     /// The all-zero state of an utterance's start, one tensor per `state.*` input in graph order.
     zeros: Vec<TValue>,
     /// The state the next chunk starts from.
@@ -145,6 +147,17 @@ pub struct TractStreamVocoder {
     /// The state at the start of the chunk in progress (restored when a run fails); its
     /// capacity is kept, so saving it allocates nothing.
     before: Vec<TValue>,
+    /// The state a padded run advances, then dropped.
+    trial: Vec<TValue>,
+    /// The frames decoded by a padded run whose state was dropped: decoded again first thing
+    /// in the next chunk (their samples are already out). Fewer than `frames`.
+    held: Vec<Frame>,
+    /// `held` at the start of the chunk in progress (restored when a run fails).
+    held_before: Vec<Frame>,
+    /// One run's frames (the held ones, the chunk's, the padding).
+    run_frames: Vec<Frame>,
+    /// One run's samples, `frames × samples_per_frame`.
+    run_out: Vec<f32>,
     /// For each graph output, the `carried` slot its `next.*` value goes to (`None`: `wav`).
     slot_of_output: Vec<Option<usize>>,
     max_chunk: usize,
@@ -154,33 +167,32 @@ pub struct TractStreamVocoder {
 impl std::fmt::Debug for TractStreamVocoder {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("TractStreamVocoder")
-            .field("plans", &self.plans.iter().map(|p| p.frames).collect::<Vec<_>>())
+            .field("frames_per_run", &self.frames)
             .field("states", &self.zeros.len())
+            .field("held", &self.held.len())
             .field("max_chunk", &self.max_chunk)
             .finish_non_exhaustive()
     }
 }
 
 impl TractStreamVocoder {
-    /// A session of the stream graph's concrete plans `plans` (frames per run, plan; one of
-    /// them for 1 frame; IO `info`) for chunks of at most `max_chunk` frames of
-    /// `samples_per_frame` samples.
+    /// A session of the stream graph's concrete plan `plan` (frames per run, plan; IO `info`)
+    /// for chunks of at most `max_chunk` frames of `samples_per_frame` samples.
     ///
     /// # Errors
-    /// [`VocoderError`] when there is no 1-frame plan, the graph's IO is not `codes, state.*` →
+    /// [`VocoderError`] when the plan runs no frames, the graph's IO is not `codes, state.*` →
     /// `wav, next.*` with a `next.<name>` for every `state.<name>`, a state has a symbolic
-    /// dimension or an unsupported dtype (float32, int64), or tract cannot spawn a plan.
+    /// dimension or an unsupported dtype (float32, int64), or tract cannot spawn the plan.
     pub(crate) fn new(
-        plans: &[(usize, &Graph)],
+        plan: (usize, &Graph),
         info: &model::manifest::GraphInfo,
         max_chunk: usize,
         samples_per_frame: usize,
     ) -> Result<Self, VocoderError> {
-        let graph = plans
-            .iter()
-            .find(|(n, _)| *n == 1)
-            .map(|(_, g)| *g)
-            .ok_or_else(|| VocoderError("the stateful vocoder needs a 1-frame plan".into()))?;
+        let (frames, graph) = plan;
+        if frames == 0 {
+            return Err(VocoderError("the stateful vocoder's plan runs no frames".into()));
+        }
         if graph.inputs.first().map(String::as_str) != Some("codes") || graph.outputs.first().map(String::as_str) != Some("wav") {
             return Err(VocoderError(format!(
                 "stream graph IO must start with input codes and output wav, has {:?} -> {:?}",
@@ -204,55 +216,48 @@ impl TractStreamVocoder {
                 "the stream graph carries no state (no state.* inputs with next.* outputs): it is not a stateful vocoder graph (is [vocoder].stream_graph the windowed graph?)".into(),
             ));
         }
-        let mut ps = plans
-            .iter()
-            .map(|(n, g)| {
-                if g.outputs != graph.outputs || g.inputs != graph.inputs {
-                    return Err(VocoderError(format!("the {n}-frame plan has other IO than the 1-frame one")));
-                }
-                Ok(StreamPlan {
-                    frames: *n,
-                    state: g.plan.spawn().map_err(err)?,
-                    codes: Arc::new(Tensor::zero::<i64>(&[1, CODEBOOKS, *n]).map_err(err)?),
-                })
-            })
-            .collect::<Result<Vec<_>, _>>()?;
-        ps.sort_by_key(|p| std::cmp::Reverse(p.frames));
-        let carried = zeros.clone();
-        let before = zeros.clone();
-        Ok(TractStreamVocoder { plans: ps, zeros, carried, before, slot_of_output, max_chunk, samples_per_frame })
+        Ok(TractStreamVocoder {
+            frames,
+            state: graph.plan.spawn().map_err(err)?,
+            codes: Arc::new(Tensor::zero::<i64>(&[1, CODEBOOKS, frames]).map_err(err)?),
+            carried: zeros.clone(),
+            before: zeros.clone(),
+            trial: zeros.clone(),
+            zeros,
+            held: Vec::with_capacity(frames),
+            held_before: Vec::with_capacity(frames),
+            run_frames: Vec::with_capacity(frames),
+            run_out: vec![0.0; frames * samples_per_frame],
+            slot_of_output,
+            max_chunk,
+            samples_per_frame,
+        })
     }
 
-    /// One run of the plan `p` over `frames` (exactly its frame count), writing its samples
-    /// into `out` and advancing `carried`.
-    fn run(
-        p: &mut StreamPlan,
-        carried: &mut [TValue],
-        zeros: &[TValue],
-        slot_of_output: &[Option<usize>],
-        frames: &[Frame],
-        out: &mut [f32],
-    ) -> Result<(), VocoderError> {
-        let n = p.frames;
-        let codes = Arc::get_mut(&mut p.codes).ok_or_else(|| VocoderError("codes buffer still shared".into()))?;
+    /// One run of the plan over `run_frames` (exactly its frame count), writing its samples
+    /// into `run_out` and advancing `carried` (a state passed in).
+    fn run(&mut self, trial: bool) -> Result<(), VocoderError> {
+        let n = self.frames;
+        let codes = Arc::get_mut(&mut self.codes).ok_or_else(|| VocoderError("codes buffer still shared".into()))?;
         let buf = view_mut::<i64>(codes).map_err(err)?;
-        for (f, frame) in frames.iter().enumerate() {
+        for (f, frame) in self.run_frames.iter().enumerate() {
             for (q, &c) in frame.iter().enumerate() {
                 buf[q * n + f] = i64::from(c);
             }
         }
+        let carried = if trial { &mut self.trial } else { &mut self.carried };
         let mut inputs: TVec<TValue> = TVec::with_capacity(1 + carried.len());
-        inputs.push(p.codes.clone().into_tvalue());
+        inputs.push(self.codes.clone().into_tvalue());
         inputs.extend(carried.iter().cloned());
-        let outputs = p.state.run(inputs).map_err(err)?;
+        let outputs = self.state.run(inputs).map_err(err)?;
         let wav = view::<f32>(&outputs[0]).map_err(err)?;
-        if wav.len() != out.len() {
-            return Err(VocoderError(format!("returned {} samples for {n} frames, expected {}", wav.len(), out.len())));
+        if wav.len() != self.run_out.len() {
+            return Err(VocoderError(format!("returned {} samples for {n} frames, expected {}", wav.len(), self.run_out.len())));
         }
-        out.copy_from_slice(wav);
-        for (next, slot) in outputs.into_iter().zip(slot_of_output) {
+        self.run_out.copy_from_slice(wav);
+        for (next, slot) in outputs.into_iter().zip(&self.slot_of_output) {
             let Some(slot) = *slot else { continue };
-            let zero = &zeros[slot];
+            let zero = &self.zeros[slot];
             if next.shape() != zero.shape() {
                 return Err(VocoderError(format!(
                     "stream graph returned a state of shape {:?}, expected {:?}",
@@ -270,6 +275,43 @@ impl TractStreamVocoder {
         }
         Ok(())
     }
+
+    /// [`VocoderSession::decode`]'s runs over the held frames then `window`'s `n`.
+    fn decode_runs(&mut self, window: &[Frame], n: usize, out: &mut [f32]) -> Result<(), VocoderError> {
+        let (p, spf) = (self.frames, self.samples_per_frame);
+        let skip = self.held.len();
+        let total = skip + n;
+        let frame = |held: &[Frame], j: usize| if j < skip { held[j] } else { window[j - skip] };
+        let mut start = 0;
+        while start < total {
+            let real = p.min(total - start);
+            self.run_frames.clear();
+            for j in start..start + real {
+                let f = frame(&self.held, j);
+                self.run_frames.push(f);
+            }
+            let last = self.run_frames[real - 1];
+            self.run_frames.resize(p, last);
+            let padded = real < p;
+            if padded {
+                self.trial.clone_from(&self.carried);
+            }
+            self.run(padded)?;
+            for j in start.max(skip)..start + real {
+                let (src, dst) = ((j - start) * spf, (j - skip) * spf);
+                out[dst..dst + spf].copy_from_slice(&self.run_out[src..src + spf]);
+            }
+            if padded {
+                // the state stays before these frames: they run again next chunk
+                self.held.clear();
+                self.held.extend_from_slice(&self.run_frames[..real]);
+                return Ok(());
+            }
+            start += real;
+        }
+        self.held.clear();
+        Ok(())
+    }
 }
 
 impl VocoderSession for TractStreamVocoder {
@@ -283,33 +325,20 @@ impl VocoderSession for TractStreamVocoder {
                 out.len()
             )));
         }
-        // a failed run leaves the state as it was before the chunk
+        // a failed run leaves the state (and the held frames) as they were before the chunk
         self.before.clone_from(&self.carried);
-        let mut done = 0;
-        while done < n {
-            let Some(p) = self.plans.iter_mut().find(|p| p.frames <= n - done) else {
-                return Err(VocoderError("no plan fits the rest of the chunk".into()));
-            };
-            let k = p.frames;
-            let r = Self::run(
-                p,
-                &mut self.carried,
-                &self.zeros,
-                &self.slot_of_output,
-                &window[done..done + k],
-                &mut out[done * spf..(done + k) * spf],
-            );
-            if let Err(e) = r {
-                self.carried.clone_from(&self.before);
-                return Err(e);
-            }
-            done += k;
+        self.held_before.clone_from(&self.held);
+        let r = self.decode_runs(window, n, out);
+        if r.is_err() {
+            self.carried.clone_from(&self.before);
+            self.held.clone_from(&self.held_before);
         }
-        Ok(())
+        r
     }
 
     fn reset(&mut self) {
         self.carried.clone_from(&self.zeros);
+        self.held.clear();
     }
 
     fn form(&self) -> model::backend::VocoderForm {
