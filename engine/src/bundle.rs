@@ -117,8 +117,8 @@ static PROMPTER_MEMO: std::sync::Mutex<PrompterMemo> = std::sync::Mutex::new(Non
 /// [`read_prompter`], remembered: the last prompter built is returned again while the
 /// tokenizer file and `bundle.toml` are unchanged (path, size, modification time). Building
 /// the tokenizer (151k tokens and merges) takes about 0.5 s on a small board, and a command
-/// checks its text against the tokenizer before it opens the bundle: with this, it is built
-/// once per start.
+/// checks its text against the tokenizer while the bundle opens: with this, it is built once
+/// per start, by whichever thread asks first (the other waits for it).
 ///
 /// # Errors
 /// As [`read_prompter`].
@@ -131,13 +131,16 @@ pub fn shared_prompter(dir: &Path, manifest: &Manifest) -> Result<Arc<Prompter>,
             (p, md.as_ref().map_or(0, |m| m.len()), md.and_then(|m| m.modified().ok()))
         })
         .collect();
-    if let Some((key, p)) = PROMPTER_MEMO.lock().unwrap_or_else(|e| e.into_inner()).as_ref()
+    // the lock is held while building, so two threads asking at once (a command checking its
+    // text while the bundle loads on another thread) build it once: the second one waits
+    let mut memo = PROMPTER_MEMO.lock().unwrap_or_else(|e| e.into_inner());
+    if let Some((key, p)) = memo.as_ref()
         && *key == id
     {
         return Ok(p.clone());
     }
     let p = Arc::new(read_prompter(dir, manifest)?);
-    *PROMPTER_MEMO.lock().unwrap_or_else(|e| e.into_inner()) = Some((id, p.clone()));
+    *memo = Some((id, p.clone()));
     Ok(p)
 }
 

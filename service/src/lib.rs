@@ -36,7 +36,7 @@ pub use output::{AtomicFile, OutputSettings, Target, write_atomic};
 pub use queue::{JobHandle, Outcome, Perform, Queue, Refused};
 pub use speaker::{
     AmpSettings, Job, JobError, Preparing, Reading, Seeding, ServiceError, Speaker, SpeakerSettings, Spoken, Voice, check, check_in,
-    plan,
+    load_engine, plan,
 };
 
 /// An error and its causes on one line, skipping a cause whose text its parent already shows

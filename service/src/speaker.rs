@@ -502,17 +502,39 @@ impl Preparing {
         backend: &dyn engine::backend::Backend,
         fallback: Option<&dyn engine::backend::Backend>,
     ) -> Result<Speaker, ServiceError> {
-        let bundle_err = |source| ServiceError::Bundle { dir: dir.to_owned(), source };
-        let engine = match (Engine::load(dir, backend, settings), fallback) {
-            (Ok(e), _) => e,
-            (Err(e), Some(f)) => {
-                log::warn!("backend {} failed to load, using {} instead: {e}", backend.name(), f.name());
-                Engine::load(dir, f, settings).map_err(bundle_err)?
-            }
-            (Err(e), None) => return Err(bundle_err(e)),
-        };
+        let engine = load_engine(dir, settings, backend, fallback)?;
+        Ok(self.with_engine(engine, settings))
+    }
+
+    /// The speaker over an engine loaded elsewhere with `settings` ([`load_engine`], e.g. on a
+    /// thread started before the text was checked and the sink opened).
+    pub fn with_engine(self, engine: Engine, settings: &EngineSettings) -> Speaker {
         let limits = SegmentLimits::new(self.settings.reading.segment_tokens, settings.kv_capacity);
-        Ok(Speaker { engine, amp: self.amp, settings: self.settings, stop: self.stop, limits })
+        Speaker { engine, amp: self.amp, settings: self.settings, stop: self.stop, limits }
+    }
+}
+
+/// Load the engine over `dir` with `backend`, and when that fails and a `fallback` is given
+/// (`runtime.backend = "auto"` chose `backend`), one warning line saying why, then with
+/// `fallback` ([`Preparing::load_with_fallback`] without the speaker).
+///
+/// # Errors
+/// [`ServiceError::Bundle`], naming the directory: `backend`'s failure without a fallback,
+/// else the fallback's.
+pub fn load_engine(
+    dir: &Path,
+    settings: &EngineSettings,
+    backend: &dyn engine::backend::Backend,
+    fallback: Option<&dyn engine::backend::Backend>,
+) -> Result<Engine, ServiceError> {
+    let bundle_err = |source| ServiceError::Bundle { dir: dir.to_owned(), source };
+    match (Engine::load(dir, backend, settings), fallback) {
+        (Ok(e), _) => Ok(e),
+        (Err(e), Some(f)) => {
+            log::warn!("backend {} failed to load, using {} instead: {e}", backend.name(), f.name());
+            Engine::load(dir, f, settings).map_err(bundle_err)
+        }
+        (Err(e), None) => Err(bundle_err(e)),
     }
 }
 

@@ -158,18 +158,34 @@ fn speak(cfg: &Config, text: &str, out: Option<&str>, raw: bool) -> Result<(), F
     // Which runtime runs the step graphs: a `qnn` that cannot work stops here, before the device.
     let chosen = crate::backend::choose(cfg, &manifest, tuned.profile.class)?;
     log::info!("{}", chosen.why);
-    // Check the text and the voice before touching the device or loading the graphs.
+    // The graphs (seconds) start loading now, on their own thread, while the text and voice
+    // are checked (the tokenizer, built once and shared with the load) and the output and the
+    // amplifier line are opened. A failure of any of those still stops herald at once: the
+    // loader is not waited for, and ends with the process.
+    let engine_settings = tuned.settings.clone();
+    let loader = {
+        let (dir, settings, backend, fallback) = (dir.clone(), engine_settings.clone(), chosen.backend, chosen.fallback);
+        std::thread::Builder::new()
+            .name("load-bundle".into())
+            .spawn(move || service::load_engine(&dir, &settings, backend.as_ref(), fallback.as_deref()))
+            .map_err(|e| fail(exit::BUG, anyhow::anyhow!("cannot start the bundle loader thread: {e}")))?
+    };
+    // Check the text and the voice before touching the device.
     service::check_in(dir, &manifest, &request)?;
     let sink = target(out, raw)?.open(&settings.output).map_err(|e| fail(exit::sink_code(&e), e))?;
-    // The amplifier line (only when playing): a missing chip or line stops here, before loading.
+    // The amplifier line (only when playing): a missing chip or line stops here.
     let mut preparing = Speaker::prepare(settings, crate::STOP.clone())?;
-    // Open the output before loading the graphs: a busy or missing device fails fast.
+    // Open the output before the graphs are ready: a busy or missing device fails fast.
     let mut sink = preparing.begin_early(sink, rate)?;
-    let mut speaker = match preparing.load_with_fallback(dir, &tuned.settings, chosen.backend.as_ref(), chosen.fallback.as_deref()) {
-        Ok(s) => s,
-        Err(e) => {
+    let mut speaker = match loader.join() {
+        Ok(Ok(engine)) => preparing.with_engine(engine, &engine_settings),
+        Ok(Err(e)) => {
             sink.abort();
             return Err(e.into());
+        }
+        Err(_) => {
+            sink.abort();
+            return Err(fail(exit::BUG, anyhow::anyhow!("the bundle loader thread panicked")));
         }
     };
     log::info!(
