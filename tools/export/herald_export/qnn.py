@@ -233,6 +233,20 @@ def check_graph_rules(model: onnx.ModelProto, path: str | Path) -> None:
 
 
 # --------------------------------------------------------------------------- static graphs
+def fix_dims(g: onnx.GraphProto, values: dict[str, int], what: str) -> None:
+    """Set every symbolic dim of ``g``'s inputs and outputs to ``values[name]`` and drop the
+    intermediate shapes (onnxruntime infers them again, now static). A symbolic dim not in
+    ``values`` is an ``ExportError`` naming the tensor (``what`` says which graph has only those)."""
+    for vi in list(g.input) + list(g.output):
+        for d in vi.type.tensor_type.shape.dim:
+            if d.dim_param in values:
+                d.dim_value = values[d.dim_param]
+            elif d.dim_param:
+                names = " and ".join(values)
+                raise ExportError(g.name, f"{vi.name} has the symbolic dim {d.dim_param!r}; {what} has only {names}")
+    del g.value_info[:]
+
+
 def static_step_graph(model: onnx.ModelProto, slots: int, kv_float16: bool) -> onnx.ModelProto:
     """``model`` (a bundle step graph, modified in place and returned) with ``seq`` = 1 and
     ``past`` = ``slots`` on every input and output, the intermediate shapes dropped (onnxruntime
@@ -240,15 +254,7 @@ def static_step_graph(model: onnx.ModelProto, slots: int, kv_float16: bool) -> o
     each float32 ``k_cache_*``/``v_cache_*`` input and before each float32 ``k_new_*``/``v_new_*``
     output, under the same names, so the body is unchanged."""
     g = model.graph
-    for vi in list(g.input) + list(g.output):
-        for d in vi.type.tensor_type.shape.dim:
-            if d.dim_param == "seq":
-                d.dim_value = POSITIONS
-            elif d.dim_param == "past":
-                d.dim_value = slots
-            elif d.dim_param:
-                raise ExportError(g.name, f"{vi.name} has the symbolic dim {d.dim_param!r}; a step graph has only seq and past")
-    del g.value_info[:]
+    fix_dims(g, {"seq": POSITIONS, "past": slots}, "a step graph")
     if kv_float16:
         head, tail = [], []
         for vi in g.input:
@@ -285,16 +291,7 @@ def static_vocoder_graph(model: onnx.ModelProto, frames: int, samples_per_frame:
     ``frames`` fixed and ``samples`` = frames x samples_per_frame, the intermediate shapes
     dropped. Every I/O keeps its element type (``codes`` and ``position`` int64, the rest
     float32): the state is small next to the weights and crosses the boundary once per run."""
-    g = model.graph
-    for vi in list(g.input) + list(g.output):
-        for d in vi.type.tensor_type.shape.dim:
-            if d.dim_param == "frames":
-                d.dim_value = frames
-            elif d.dim_param == "samples":
-                d.dim_value = frames * samples_per_frame
-            elif d.dim_param:
-                raise ExportError(g.name, f"{vi.name} has the symbolic dim {d.dim_param!r}; the stream vocoder has only frames and samples")
-    del g.value_info[:]
+    fix_dims(model.graph, {"frames": frames, "samples": frames * samples_per_frame}, "the stream vocoder")
     return model
 
 
