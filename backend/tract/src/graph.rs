@@ -168,11 +168,11 @@ pub(crate) fn load_plans(
                 }
             );
         }
-        model.optimize().map_err(tract_err)?;
+        let packed = crate::q4pack::optimize(&mut model).map_err(tract_err)?;
         let plan = model.into_runnable().map_err(tract_err)?;
         let optimize = t.elapsed().as_secs_f64();
         log::debug!(
-            "{name}: loaded {} ({f:?} frames) in {:.2} s: {} {before:.2} s, optimize {optimize:.2} s",
+            "{name}: loaded {} ({f:?} frames) in {:.2} s: {} {before:.2} s, optimize {optimize:.2} s ({packed} Q4_0 weights packed by herald)",
             path.display(),
             before + optimize,
             if cached { "cached decluttered model" } else { "read, parse, type and declutter" },

@@ -13,6 +13,7 @@ pub mod compute;
 mod graph;
 mod heads;
 pub mod profile;
+mod q4pack;
 pub mod sanitize;
 pub mod snake;
 pub mod stack;
