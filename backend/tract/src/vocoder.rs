@@ -132,7 +132,9 @@ pub(crate) fn zero_states(info: &model::manifest::GraphInfo) -> Result<Vec<(Stri
 /// would include the padding, so it is dropped, and the real frames are held over and decoded
 /// again, from the state before them, at the start of the next chunk (their samples then
 /// skipped). The cost is at most p - 1 frames decoded twice per chunk and the same number of
-/// padding frames (at 25-frame chunks: 2 of 27 frames), against a second plan's packed weights.
+/// padding frames. With p = 2 and steady 25-frame chunks that is, every other chunk, one frame
+/// decoded twice and one padding frame (the chunk after an odd one starts with its held frame
+/// and comes out even), against a second plan's packed weights.
 ///
 /// The session owns the state between calls (tract values, swapped for the outputs after each
 /// run; no copy) and resets it to zeros per utterance. Buffers are allocated once.
