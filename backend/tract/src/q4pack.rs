@@ -5,8 +5,8 @@
 //! front of each matmul and folds it into a constant: the weights are rearranged into the
 //! kernel's panel layout once, at load. Tract 0.23.9 does that one nibble at a time through
 //! a byte reader and writer and allocates a vector per block and row; at 0.6B dimensions that
-//! was about 60 % of the talker's optimize time on the build machine (`perf`, 309 packs,
-//! 240 MB of Q4_0 weights). [`optimize`] runs tract's own codegen passes with one more in
+//! was about 60 % of the talker's optimize time on the build machine (`perf`; 197 Q4_0 weight
+//! tensors, 240 MB). [`optimize`] runs tract's own codegen passes with one more in
 //! front, [`PackQ4_0`], which builds the same constant with [`pack_q4_0`]: byte for byte what
 //! tract's `BaseQ4_0::pack` writes (checked against it in this module's tests), from whole
 //! bytes. Anything it does not recognize (another block format, an odd panel height, weights
