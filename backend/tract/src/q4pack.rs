@@ -134,9 +134,12 @@ pub(crate) struct PackedQ4_0 {
 /// nibble first; the scales come after the nibbles instead when `scales_at_end`.
 ///
 /// Returns `None` when this routine does not cover the case (`r` odd or 0, `k` not a positive
-/// multiple of 32, `input` not whole rows, no rows): the caller then leaves it to tract.
+/// multiple of 32, `zip` not dividing `r / 2`, `input` not whole rows, no rows): the caller
+/// then leaves it to tract.
 pub(crate) fn pack_q4_0(input: &[u8], k: usize, r: usize, zip: usize, scales_at_end: bool) -> Option<PackedQ4_0> {
-    if r == 0 || !r.is_multiple_of(2) || k == 0 || !k.is_multiple_of(BLOCK_LEN) || zip >= r {
+    // tract's zipped order is a permutation only when r is a multiple of 2 * zip
+    if r == 0 || !r.is_multiple_of(2) || k == 0 || !k.is_multiple_of(BLOCK_LEN) || zip >= r || (zip > 0 && !r.is_multiple_of(2 * zip))
+    {
         return None;
     }
     let blocks = k / BLOCK_LEN;
@@ -186,9 +189,9 @@ pub(crate) fn pack_q4_0(input: &[u8], k: usize, r: usize, zip: usize, scales_at_
     Some(PackedQ4_0 { blob, panel_bytes, m })
 }
 
-/// The order rows are interleaved in within a panel for kernels that zip `zip` lanes
-/// (tract-linalg's convention: row `i` goes to slot `i / 2z * 2z + i % 2 * z + i % 2z / 2`);
-/// `zip == 0` keeps rows in order.
+/// The rows of a panel in the order their nibbles are written, for kernels that zip `zip`
+/// lanes (tract-linalg's convention: slot `i` holds row `i / 2z * 2z + i % 2 * z + i % 2z / 2`,
+/// e.g. `[0, 4, 1, 5, 2, 6, 3, 7]` for r = 8, z = 4); `zip == 0` keeps rows in order.
 fn zipped_order(r: usize, zip: usize) -> Vec<usize> {
     (0..r).map(|i| if zip == 0 { i } else { i / (2 * zip) * 2 * zip + (i % 2) * zip + (i % (2 * zip)) / 2 }).collect()
 }
@@ -231,10 +234,34 @@ mod tests {
         }
     }
 
+    /// Weights with leading (group) dimensions `[2, 3, m, k]`: every group packed as tract's own
+    /// `prepare_tensor` packs it, byte for byte.
+    #[test]
+    fn grouped_weights_match_tracts() {
+        let (m, k) = (40, 64);
+        let shape = [2usize, 3, m, k];
+        let groups = 6;
+        let input = bytes(groups * m * k / BLOCK_LEN * BLOCK_BYTES, 9);
+        let storage = BlockQuantStorage::new(Box::new(Q4_0), groups * m, k, Arc::new(Blob::from_bytes(&input).unwrap())).unwrap();
+        let weights = storage.into_tensor_with_shape(f32::datum_type(), &shape);
+        let format = PackedBlockQuantFormat::new(&Q4_0, 32, 16, false);
+        let ours = pack_tensor(&weights, &format).unwrap().expect("covered case");
+        let theirs = tract_linalg::mmm::MMMInputFormat::prepare_tensor(&format, &weights, 3, 2).unwrap();
+        let values = |t: &Tensor| -> Vec<Vec<u8>> {
+            let s = t.try_storage_as::<PackedMatrixStorage>().unwrap();
+            assert_eq!(s.batch_shape(), &shape[..2]);
+            s.values().iter().map(|v| v.downcast_ref::<EagerPackedInput>().unwrap().packed.to_vec()).collect()
+        };
+        let (a, b) = (values(&ours), values(&theirs));
+        assert_eq!(a.len(), groups);
+        assert!(a == b, "grouped packing differs from tract's");
+    }
+
     #[test]
     fn leaves_uncovered_cases_to_tract() {
         let input = bytes(4 * BLOCK_BYTES, 3);
         assert!(pack_q4_0(&input, 32, 3, 0, false).is_none(), "odd panel height");
+        assert!(pack_q4_0(&input, 32, 6, 2, false).is_none(), "zip not dividing r / 2");
         assert!(pack_q4_0(&input, 48, 4, 0, false).is_none(), "k not a multiple of 32");
         assert!(pack_q4_0(&input[..17], 32, 4, 0, false).is_none(), "partial row");
         assert!(pack_q4_0(&[], 32, 4, 0, false).is_none(), "no rows");
