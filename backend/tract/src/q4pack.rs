@@ -176,12 +176,18 @@ pub(crate) fn pack_q4_0(input: &[u8], k: usize, r: usize, zip: usize, scales_at_
             for (i, row) in rows.iter().enumerate() {
                 scales[2 * i..2 * i + 2].copy_from_slice(&row[b * BLOCK_BYTES..][..2]);
             }
-            for pos in 0..BLOCK_LEN {
-                let (byte, shift) = if pos < BLOCK_LEN / 2 { (pos, 0) } else { (pos - BLOCK_LEN / 2, 4) };
-                let nib = |row: usize| (rows[row][b * BLOCK_BYTES + 2 + byte] >> shift) & 0x0F;
-                let dst = &mut nibbles[pos * r / 2..][..r / 2];
-                for (d, pair) in dst.iter_mut().zip(order.chunks_exact(2)) {
-                    *d = nib(pair[0]) | (nib(pair[1]) << 4);
+            // column `pos` of the block holds, in byte `j`, the nibbles of the `j`-th pair of
+            // rows in zipped order; a row's 16 bytes hold columns 0..16 in their low nibbles
+            // and 16..32 in their high ones, so one pass over a pair of rows fills byte `j` of
+            // all 32 columns (one row at a time instead of one nibble at a time: sequential
+            // reads, and a start about a second shorter at 0.6B)
+            let half = r / 2;
+            for (j, pair) in order.chunks_exact(2).enumerate() {
+                let lo_row = &rows[pair[0]][b * BLOCK_BYTES + 2..][..BLOCK_LEN / 2];
+                let hi_row = &rows[pair[1]][b * BLOCK_BYTES + 2..][..BLOCK_LEN / 2];
+                for (t, (&x, &y)) in lo_row.iter().zip(hi_row).enumerate() {
+                    nibbles[t * half + j] = (x & 0x0F) | (y << 4);
+                    nibbles[(t + BLOCK_LEN / 2) * half + j] = (x >> 4) | (y & 0xF0);
                 }
             }
         }
