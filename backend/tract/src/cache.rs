@@ -101,23 +101,19 @@ fn herald_registry() -> Registry {
         |builder: &mut ModelBuilder, invocation: &ResolvedInvocation| {
             let x: OutletId = invocation.named_arg_as(builder, "x")?;
             let shape: TVec<usize> = invocation.named_arg_as(builder, "shape")?;
-            // the 2-D variable written for this invocation alone: give it its shape in place
-            let node = builder.model.node(x.node);
-            let flat = node.op_as::<Const>().context("herald_bq_shape: x is not a constant")?.val();
+            // a new constant: tract may hand back an equal constant that already existed for the
+            // 2-D variable, so that node is left as it is (the declutter on read drops it if
+            // nothing uses it)
+            let flat = builder.model.outlet_fact(x)?.konst.clone().context("herald_bq_shape: x is not a constant")?;
             let storage = flat.try_storage_as::<BlockQuantStorage>()?;
             ensure!(
-                node.outputs[0].successors.is_empty() && shape.iter().product::<usize>() == flat.len(),
+                shape.iter().product::<usize>() == flat.len(),
                 "herald_bq_shape: cannot give {:?} the shape {shape:?}",
                 flat.shape()
             );
             let tensor = storage.clone().into_tensor_with_shape(flat.datum_type(), &shape).into_arc_tensor();
             let fact = BlockQuantFact::new(tract_nnef::tract_core::dyn_clone::clone_box(storage.format()), shape);
-            let konst = Const::new_with_exotic_fact(tensor, Box::new(fact))?;
-            let fact = konst.output_facts(&[])?.remove(0);
-            let node = builder.model.node_mut(x.node);
-            node.op = Box::new(konst);
-            node.outputs[0].fact = fact;
-            Ok(Value::Wire(x))
+            builder.wire(Const::new_with_exotic_fact(tensor, Box::new(fact))?, &[])
         },
     );
     r.register_dumper(|ast: &mut IntoAst, node: &TypedNode, op: &Whole<Slice>| {
@@ -246,7 +242,7 @@ impl<O: TypedOp + Clone + PartialEq + Eq> TypedOp for Whole<O> {
 }
 
 /// A block-quantized constant of rank above 2 on its way to the cache, written as a 2-D
-/// `[rows, row length]` variable and given its shape back by `herald_bq_shape(x, shape)`.
+/// variable of one block per row and given its shape back by `herald_bq_shape(x, shape)`.
 ///
 /// Decluttering folds reshapes into an EinSum's operands, so a Q4_0 weight can carry a shape
 /// such as `[hidden, heads, head_dim]` (the attention output projection, its input split into
@@ -257,7 +253,7 @@ impl<O: TypedOp + Clone + PartialEq + Eq> TypedOp for Whole<O> {
 #[derive(Debug, Clone, Hash, PartialEq, Eq)]
 struct ShapedBlockQuant {
     konst: Const,
-    /// The same storage with shape `[shape[0], product of the rest]`.
+    /// The same storage with shape `[blocks, block length]`.
     flat: Arc<Tensor>,
 }
 
@@ -292,40 +288,49 @@ impl TypedOp for ShapedBlockQuant {
 /// [`Slice`] wrapped in a [`Whole`], and each block-quantized constant of rank above 2 in a
 /// [`ShapedBlockQuant`], for writing.
 fn wrap_for_writing(model: &TypedModel) -> TractResult<TypedModel> {
-    let mut model = model.clone();
-    for node in &mut model.nodes {
-        if let Some(konst) = node.op_as::<Const>() {
-            let t = konst.val();
-            if let (Some(storage), [rows, rest @ ..]) = (t.storage_as::<BlockQuantStorage>(), t.shape())
-                && rest.len() > 1
-            {
-                let flat = storage.clone().into_tensor_with_shape(t.datum_type(), &[*rows, rest.iter().product()]);
-                node.op = Box::new(ShapedBlockQuant { konst: konst.clone(), flat: flat.into_arc_tensor() });
-            }
-            continue;
-        }
-        if let Some(op) = node.op_as::<Slice>() {
-            node.op = Box::new(Whole(op.clone()));
-            continue;
-        }
-        if let Some(op) = node.op_as::<TypedBinOp>() {
-            if op.1.is_none() {
-                node.op = Box::new(Whole(op.clone()));
-            }
-            continue;
-        }
-        let einsum = if let Some(op) = node.op_as::<EinSum>() {
-            op.clone()
-        } else if let Some(op) = node.op_as::<EinSumMatMul>() {
-            op.op.clone()
-        } else {
-            continue;
-        };
-        if einsum.q_params.is_none() {
-            node.op = Box::new(Whole(einsum));
+    let mut wrapped = model.clone();
+    for (id, node) in model.nodes.iter().enumerate() {
+        if let Some(op) = wrap(model, node)? {
+            wrapped.nodes[id].op = op;
         }
     }
-    Ok(model)
+    Ok(wrapped)
+}
+
+/// The op [`wrap_for_writing`] writes in place of `node`'s, or `None` to leave it to tract:
+/// quantized EinSums, binary ops with an output type or on anything but float operands (tract's
+/// reader corrects the integer type it gives inline `TDim` constants; only its casts do that),
+/// and slice bounds or EinSum expressions whose text does not read back as the same value.
+fn wrap(model: &TypedModel, node: &TypedNode) -> TractResult<Option<Box<dyn TypedOp>>> {
+    if let Some(konst) = node.op_as::<Const>() {
+        let t = konst.val();
+        let Some(storage) = t.storage_as::<BlockQuantStorage>() else { return Ok(None) };
+        if t.rank() <= 2 || !t.len().is_multiple_of(storage.format().block_len()) {
+            return Ok(None);
+        }
+        // rows of one block each: the one 2-D shape tract reads back whatever the real one is
+        let block = storage.format().block_len();
+        let flat = storage.clone().into_tensor_with_shape(t.datum_type(), &[t.len() / block, block]);
+        return Ok(Some(Box::new(ShapedBlockQuant { konst: konst.clone(), flat: flat.into_arc_tensor() })));
+    }
+    if let Some(op) = node.op_as::<Slice>() {
+        let reads_back = |d: &TDim| model.symbols.parse_tdim(d.to_string()).is_ok_and(|back| back == *d);
+        return Ok((reads_back(&op.start) && reads_back(&op.end)).then(|| Box::new(Whole(op.clone())) as _));
+    }
+    if let Some(op) = node.op_as::<TypedBinOp>() {
+        let facts = model.node_input_facts(node.id)?;
+        let float = facts.iter().all(|f| f.datum_type.is_float() && f.datum_type == facts[0].datum_type);
+        return Ok((op.1.is_none() && float).then(|| Box::new(Whole(op.clone())) as _));
+    }
+    let einsum = if let Some(op) = node.op_as::<EinSum>() {
+        op.clone()
+    } else if let Some(op) = node.op_as::<EinSumMatMul>() {
+        op.op.clone()
+    } else {
+        return Ok(None);
+    };
+    let reads_back = einsum.axes.to_string().parse::<AxesMapping>().is_ok_and(|back| back == einsum.axes);
+    Ok((einsum.q_params.is_none() && reads_back).then(|| Box::new(Whole(einsum)) as _))
 }
 
 /// One cache entry: where it is and what it is for.
@@ -592,5 +597,26 @@ mod tests {
             assert_eq!(got.shape(), &[1, s - 1, 8]);
             assert_eq!(got, want, "S = {s}");
         }
+    }
+
+    /// What [`wrap`] leaves to tract's own writer: a slice bound whose text reads back as
+    /// another value (`2 * (S + 1)` prints as `2*S+1`), a binary op on integers (tract's reader
+    /// fixes the type of inline `TDim` constants with its casts) and a quantized EinSum.
+    #[test]
+    fn left_to_tract_when_it_would_not_read_back() {
+        let mut m = TypedModel::default();
+        let s = m.symbols.sym("S");
+        let x = m.add_source("x", f32::fact(&[s.to_dim(), 4.to_dim()])).unwrap();
+        let unsimplified = TDim::MulInt(2, Box::new(s.to_dim() + 1));
+        let odd = m.wire_node("odd", Slice { axis: 0, start: 0.to_dim(), end: unsimplified }, &[x]).unwrap()[0];
+        let plain = m.wire_node("plain", Slice { axis: 0, start: 1.to_dim(), end: s.to_dim() - 1 }, &[x]).unwrap()[0];
+        let i = m.add_source("i", i64::fact([3])).unwrap();
+        let one = m.add_const("one", tensor1(&[1i64, 1, 1])).unwrap();
+        let int_add = m.wire_node("int_add", add(), &[i, one]).unwrap()[0];
+        m.select_output_outlets(&[odd, plain, int_add]).unwrap();
+        let wrapped = |name: &str| wrap(&m, m.node(m.node_by_name(name).unwrap().id)).unwrap().is_some();
+        assert!(!wrapped("odd"), "2*(S+1) would read back as 2*S+1");
+        assert!(wrapped("plain"));
+        assert!(!wrapped("int_add"));
     }
 }
