@@ -518,15 +518,7 @@ mod tests {
 
     /// Values in [-2, 2) from a xorshift sequence.
     fn values(n: usize, seed: u64) -> Vec<f32> {
-        let mut s = seed | 1;
-        (0..n)
-            .map(|_| {
-                s ^= s << 13;
-                s ^= s >> 7;
-                s ^= s << 17;
-                (s % 4096) as f32 / 1024.0 - 2.0
-            })
-            .collect()
+        crate::xorshift(seed).take(n).map(|s| (s % 4096) as f32 / 1024.0 - 2.0).collect()
     }
 
     /// The shapes the talker's attention output projection has after decluttering: a Q4_0

@@ -19,6 +19,18 @@ pub mod snake;
 pub mod stack;
 pub mod vocoder;
 
+/// A xorshift64 sequence from `seed` (made odd, so never all zeros): deterministic test data.
+#[cfg(test)]
+pub(crate) fn xorshift(seed: u64) -> impl Iterator<Item = u64> {
+    let mut s = seed | 1;
+    std::iter::repeat_with(move || {
+        s ^= s << 13;
+        s ^= s >> 7;
+        s ^= s << 17;
+        s
+    })
+}
+
 use std::path::Path;
 
 use model::backend::{

@@ -209,15 +209,7 @@ mod tests {
     /// Deterministic bytes (xorshift), any value: the packing moves bytes and nibbles without
     /// reading them as numbers.
     fn bytes(n: usize, seed: u64) -> Vec<u8> {
-        let mut s = seed | 1;
-        (0..n)
-            .map(|_| {
-                s ^= s << 13;
-                s ^= s >> 7;
-                s ^= s << 17;
-                s as u8
-            })
-            .collect()
+        crate::xorshift(seed).take(n).map(|s| s as u8).collect()
     }
 
     /// Byte for byte what tract's own `BaseQ4_0::pack` writes, across panel heights, zips,
