@@ -10,7 +10,8 @@
 //! An entry is a directory `<cache dir>/<graph>-<plan>-<key>/` holding `model/` (tract's NNEF
 //! with its `tract_core`, `tract_onnx` and `herald` extensions; block-quantized weights stay in
 //! their Q4_0 form; EinSums, slices and element-wise binary ops are written whole, so the model
-//! reads back as it was written rather than as NNEF's primitives to be reassembled) and `io.txt` (the ONNX input and output names in plan order). The key hashes
+//! reads back as it was written rather than as NNEF's primitives to be reassembled) and
+//! `io.txt` (the ONNX input and output names in plan order). The key hashes
 //! everything that could change what the entry holds: the cache format, this crate's version,
 //! tract's version, the running executable (size and modification time, so a rebuilt herald
 //! never reads an older herald's entries), the graph's name, manifest checksum, file sizes and
@@ -203,15 +204,16 @@ fn herald_registry() -> Registry {
 }
 
 /// An op on its way to the cache that herald writes itself, so that it reads back as exactly
-/// the op that was written: an unquantized [`EinSum`] as `herald_einsum(inputs, expr, acc)` and
-/// a [`Slice`] as `herald_slice(x, axis, start, end)`.
+/// the op that was written: an unquantized [`EinSum`] as `herald_einsum(inputs, expr, acc)`, a
+/// [`Slice`] as `herald_slice(x, axis, start, end)` and an element-wise [`TypedBinOp`] as
+/// `herald_binary(a, b, op)`.
 ///
 /// tract 0.23.9's NNEF writer turns every matrix-product EinSum into NNEF `matmul` plus the
 /// transposes, reshapes and axis insertions/removals that put its operands into matmul order,
-/// and its reader turns each `slice` into a small graph of casts, clamps and a dynamic slice.
-/// Reading those back gives a model that must be decluttered again: about 2 s of the 0.6B
-/// talker's warm start, and the 309 matmuls made up most of the 259 kB `graph.nnef` that the
-/// NNEF parser spent another 1.3 s on. Wrapping the ops hides them from tract's rewrites.
+/// its reader turns each `slice` into a small graph of casts, clamps and a dynamic slice, and it
+/// casts both operands of each binary op. Reading those back gives a model that must be
+/// decluttered again: about 2 s of the 0.6B talker's warm start (and a 259 kB `graph.nnef`,
+/// now 215 kB). Wrapping the ops hides them from tract's rewrites.
 #[derive(Debug, Clone, PartialEq, Eq)]
 struct Whole<O>(O);
 
@@ -284,8 +286,8 @@ impl TypedOp for ShapedBlockQuant {
     as_op!();
 }
 
-/// `model` with each unquantized EinSum (plain or already detected as a matmul) and each
-/// [`Slice`] wrapped in a [`Whole`], and each block-quantized constant of rank above 2 in a
+/// `model` with each unquantized EinSum (plain or already detected as a matmul), each [`Slice`]
+/// and each element-wise binary op on floats wrapped in a [`Whole`] (as [`wrap`] decides), and each block-quantized constant of rank above 2 in a
 /// [`ShapedBlockQuant`], for writing.
 fn wrap_for_writing(model: &TypedModel) -> TractResult<TypedModel> {
     let mut wrapped = model.clone();
@@ -523,8 +525,8 @@ mod tests {
 
     /// The shapes the talker's attention output projection has after decluttering: a Q4_0
     /// weight `[n, heads, head_dim]` (rank 3: a reshape folded into it; head_dim 16 as in the
-    /// tiny checkpoints), an EinSum over heads
-    /// and head_dim, a slice with a symbolic bound and a broadcast add.
+    /// tiny checkpoints), an EinSum over heads and head_dim, a slice with a symbolic bound and
+    /// a broadcast add.
     fn model() -> TypedModel {
         let (n, heads, dim) = (8, 4, 16);
         let mut m = TypedModel::default();
@@ -562,8 +564,8 @@ mod tests {
     }
 
     /// A decluttered model with a rank-3 Q4_0 weight goes through the cache and comes back with
-    /// the same ops (before any re-declutter, apart from casts tract's reader puts on
-    /// element-wise operands) and the same outputs, bit for bit.
+    /// the same ops (before any re-declutter, apart from any casts tract's reader adds) and the
+    /// same outputs, bit for bit.
     #[test]
     fn ops_written_whole_read_back_as_written() {
         let model = model();
@@ -592,8 +594,8 @@ mod tests {
     }
 
     /// What [`wrap`] leaves to tract's own writer: a slice bound whose text reads back as
-    /// another value (`2 * (S + 1)` prints as `2*S+1`), a binary op on integers (tract's reader
-    /// fixes the type of inline `TDim` constants with its casts) and a quantized EinSum.
+    /// another value (`2 * (S + 1)` prints as `2*S+1`) and a binary op on integers (tract's
+    /// reader fixes the type of inline `TDim` constants with its casts).
     #[test]
     fn left_to_tract_when_it_would_not_read_back() {
         let mut m = TypedModel::default();

