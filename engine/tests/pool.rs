@@ -246,3 +246,39 @@ fn pools_do_not_nest_and_a_leaked_guard_stays_sound() {
     drop(w);
     assert!(b.install().is_none(), "the thread still has the leaked pool installed");
 }
+
+/// The `VmFlags` line of the `/proc/self/smaps` mapping that holds `addr`.
+#[cfg(target_os = "linux")]
+fn vm_flags(addr: usize) -> String {
+    let smaps = std::fs::read_to_string("/proc/self/smaps").unwrap();
+    let mut inside = false;
+    for line in smaps.lines() {
+        let range = line.split_whitespace().next().and_then(|r| r.split_once('-'));
+        if let Some((a, b)) = range.and_then(|(a, b)| Some((usize::from_str_radix(a, 16).ok()?, usize::from_str_radix(b, 16).ok()?))) {
+            inside = (a..b).contains(&addr);
+        } else if inside && let Some(flags) = line.strip_prefix("VmFlags:") {
+            return flags.trim().to_owned();
+        }
+    }
+    panic!("no mapping holds {addr:#x}");
+}
+
+/// A large uninitialized block from the heap is advised as transparent huge pages (the kernel
+/// marks its mapping `hg`, "huge page advise", in smaps, whether or not it could find huge
+/// pages); a zeroed one (a KV cache, touched a little at a time) is not.
+#[cfg(target_os = "linux")]
+#[test]
+fn large_uninitialized_blocks_are_advised_as_huge_pages() {
+    if !std::path::Path::new("/sys/kernel/mm/transparent_hugepage/enabled").exists() {
+        eprintln!("SKIPPED: this kernel has no transparent huge pages");
+        return;
+    }
+    let huge = 2usize << 20;
+    let big: Vec<u8> = Vec::with_capacity(8 * huge);
+    let aligned = (big.as_ptr() as usize).next_multiple_of(huge);
+    assert!(vm_flags(aligned).split(' ').any(|f| f == "hg"), "{}", vm_flags(aligned));
+    let zeroed = vec![0u8; 8 * huge];
+    let aligned = (zeroed.as_ptr() as usize).next_multiple_of(huge);
+    assert!(!vm_flags(aligned).split(' ').any(|f| f == "hg"), "{}", vm_flags(aligned));
+    black_box((big, zeroed));
+}
