@@ -391,16 +391,20 @@ pub(crate) fn entry(bundle: &Path, name: &str, info: &GraphInfo, frames: Option<
 fn read_model(dir: &Path) -> TractResult<TypedModel> {
     fn walk(root: &Path, dir: &Path, text: &mut Option<String>, tensors: &mut Vec<(String, PathBuf)>) -> TractResult<bool> {
         for entry in std::fs::read_dir(dir).with_context(|| format!("listing {}", dir.display()))? {
-            let path = entry?.path();
+            let entry = entry?;
+            let path = entry.path();
             let rel = path.strip_prefix(root)?;
             // tract's reader skips every path with a component starting with "."
             if rel.components().any(|c| c.as_os_str().to_string_lossy().starts_with('.')) {
                 continue;
             }
-            if path.is_dir() {
+            if entry.file_type()?.is_dir() {
                 if !walk(root, &path, text, tensors)? {
                     return Ok(false);
                 }
+            } else if path.is_dir() {
+                // a symbolic link to a directory: tract's directory walk does not follow it
+                continue;
             } else if rel == Path::new("graph.nnef") {
                 *text = Some(std::fs::read_to_string(&path).with_context(|| format!("reading {}", path.display()))?);
             } else if path.extension().is_some_and(|e| e == "dat") {

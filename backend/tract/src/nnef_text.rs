@@ -46,6 +46,11 @@ pub(crate) fn fast(text: &str) -> Option<Document> {
     header.push_str(&text[..=open]);
     header.push_str("\n}\n");
     let mut doc = tract_nnef::ast::parse::parse_document(&header).ok()?;
+    // a `{` found before the real body's (one in a comment of the signature) would make the
+    // header swallow assignments
+    if !doc.graph_def.body.is_empty() {
+        return None;
+    }
     let mut p = Parser { s: text.as_bytes(), text, i: open + 1 };
     let mut body = Vec::new();
     loop {
@@ -189,6 +194,9 @@ impl<'a> Parser<'a> {
             b'0'..=b'9' | b'-' => Some(RValue::Literal(Literal::Numeric(self.numeric()?))),
             b'[' => {
                 self.i += 1;
+                if self.empty(b']')? {
+                    return Some(RValue::Array(vec![]));
+                }
                 // `[for …` is a comprehension (tract tries it before an array)
                 self.ws();
                 if self.s[self.i..].starts_with(b"for") {
@@ -198,6 +206,9 @@ impl<'a> Parser<'a> {
             }
             b'(' => {
                 self.i += 1;
+                if self.empty(b')')? {
+                    return Some(RValue::Tuple(vec![]));
+                }
                 let mut items = self.list(b')')?;
                 Some(if items.len() == 1 { items.pop()? } else { RValue::Tuple(items) })
             }
@@ -284,12 +295,25 @@ impl<'a> Parser<'a> {
         Some(Argument { id: None, rvalue: self.rvalue()? })
     }
 
-    /// Comma-separated rvalues up to `close` (consumed); empty allowed.
+    /// After an array's or a tuple's opening bracket: `Some(true)` (and `close` consumed) when
+    /// it closes right away, `Some(false)` when an element follows, `None` when only spaces or
+    /// comments come before `close`: tract's array and tuple atoms match their brackets with a
+    /// plain `tag`, so it rejects `[ ]` and `( )`.
+    fn empty(&mut self, close: u8) -> Option<bool> {
+        if self.peek() == Some(close) {
+            self.i += 1;
+            return Some(true);
+        }
+        let at = self.i;
+        self.ws();
+        let only_space = self.peek() == Some(close);
+        self.i = at;
+        (!only_space).then_some(false)
+    }
+
+    /// Comma-separated rvalues up to `close` (consumed), at least one.
     fn list(&mut self, close: u8) -> Option<Vec<RValue>> {
         let mut items = Vec::new();
-        if self.eat(close) {
-            return Some(items);
-        }
         loop {
             items.push(self.rvalue()?);
             if self.eat(close) {
@@ -406,6 +430,8 @@ mod tests {
             "  y = (a == b);\n",                  // comparison
             "  y = i\"odd name\";\n",             // escaped identifier
             "  y = f(info);\n",                   // a word tract reads as `inf` + `o`
+            "  y = f(x, n = [ ]);\n",             // tract's `[`…`]` takes no inner space
+            "  y = ( # nothing\n );\n",           // nor does its `(`…`)`
         ] {
             let text = format!("{HEADER}{body}}}\n");
             assert!(fast(&text).is_none(), "{body}");
@@ -425,5 +451,15 @@ mod tests {
             assert!(parse_document(&text).is_err(), "{body}");
         }
         assert!(parse_document(&format!("{HEADER}  y = x;\n}}\ntrailing")).is_err());
+    }
+
+    #[test]
+    fn a_brace_in_a_signature_comment_is_left_to_tract() {
+        // the first `{` after `graph` is in a comment: the header would hold an assignment
+        let text = "version 1.0;\ngraph\tnet(x) -> (y) {\ngraph = foo(x);\n# {\n  y = bar(graph);\n}\n";
+        assert!(fast(text).is_none());
+        let doc = parse_document(text).unwrap();
+        assert_eq!(doc, tract(text));
+        assert_eq!(doc.graph_def.body.len(), 2);
     }
 }
