@@ -77,20 +77,38 @@ const HUGE_PAGE_BLOCK: usize = 2 << 20;
 /// weights), while a zeroed block (`alloc_zeroed`, e.g. a KV cache sized for its capacity) may
 /// be touched a little at a time and stays on small pages. The call is advice: where the kernel
 /// has no THP or it is `never`, nothing changes and the error is ignored.
+///
+/// The advice must end with the block ([`unadvise_huge_pages`], on its way back to the heap):
+/// glibc keeps freed memory of 2–32 MiB in its heaps, and an advised range reused for small or
+/// zeroed blocks would be faulted (and compacted, and collapsed by khugepaged) 2 MiB at a time.
 fn advise_huge_pages(p: *mut u8, size: usize) {
+    madvise_whole_huge_pages(p, size, true);
+}
+
+/// Undo [`advise_huge_pages`] before a block of [`HUGE_PAGE_BLOCK`] bytes or more goes back to
+/// the heap (`MADV_NOHUGEPAGE`): with `transparent_hugepage` at `madvise` that is the default
+/// again; at `always` the range stays on small pages until a block there is advised again.
+fn unadvise_huge_pages(p: *mut u8, size: usize) {
+    madvise_whole_huge_pages(p, size, false);
+}
+
+/// `madvise` the 2 MiB-aligned part of `[p, p + size)` with `MADV_HUGEPAGE` (`huge`) or
+/// `MADV_NOHUGEPAGE`; errors are ignored (advice only).
+fn madvise_whole_huge_pages(p: *mut u8, size: usize, huge: bool) {
     #[cfg(target_os = "linux")]
     {
         const HUGE: usize = 2 << 20;
         let start = (p as usize).next_multiple_of(HUGE);
         let end = (p as usize + size) & !(HUGE - 1);
         if end > start {
-            // SAFETY: [start, end) lies inside the block just allocated (owned by the caller,
-            // not yet touched); MADV_HUGEPAGE changes how it is backed, never its contents.
-            unsafe { libc::madvise(start as *mut libc::c_void, end - start, libc::MADV_HUGEPAGE) };
+            let advice = if huge { libc::MADV_HUGEPAGE } else { libc::MADV_NOHUGEPAGE };
+            // SAFETY: [start, end) lies inside a block the caller owns; the advice changes how
+            // the range is backed, never its contents.
+            unsafe { libc::madvise(start as *mut libc::c_void, end - start, advice) };
         }
     }
     #[cfg(not(target_os = "linux"))]
-    let _ = (p, size);
+    let _ = (p, size, huge);
 }
 
 /// The pool installed on the calling thread, if any.
@@ -167,6 +185,9 @@ unsafe impl<A: GlobalAlloc> GlobalAlloc for Pooled<A> {
                 return;
             }
         }
+        if e.size() >= HUGE_PAGE_BLOCK {
+            unadvise_huge_pages(ptr, e.size());
+        }
         // SAFETY: as above.
         unsafe { self.inner.dealloc(ptr, e) }
     }
@@ -181,6 +202,10 @@ unsafe impl<A: GlobalAlloc> GlobalAlloc for Pooled<A> {
             return null_mut();
         };
         if current().is_none() {
+            // the heap may free the old block inside `realloc`: its advice ends here
+            if old.size() >= HUGE_PAGE_BLOCK {
+                unadvise_huge_pages(ptr, old.size());
+            }
             // SAFETY: `ptr` came from `inner` with `old`; `new` keeps its alignment.
             return unsafe { self.inner.realloc(ptr, old, new.size()) };
         }
