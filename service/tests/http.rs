@@ -236,14 +236,33 @@ fn a_client_that_goes_away_cancels_its_job_and_the_next_request_works() {
 fn a_full_queue_answers_busy_and_nothing_interleaves() {
     let s = serve(1);
     let addr = s.addr();
-    let answers: Vec<Answer> = std::thread::scope(|scope| {
-        let clients: Vec<_> =
-            (0..6).map(|_| scope.spawn(move || speech(addr, &format!(r#"{{"input":"{TEXT}","response_format":"pcm"}}"#)))).collect();
-        clients.into_iter().map(|c| c.join().unwrap()).collect()
+    let json = format!(r#"{{"input":"{TEXT}","response_format":"pcm"}}"#);
+    // the first job is running (its head and some audio are on the wire) before the others
+    // arrive: the queue's one place then takes one of them and the rest are busy. (Sent all at
+    // once, the six can all arrive before the worker takes the first off the queue, and then
+    // only one is admitted.)
+    let t0 = Instant::now();
+    let first = post(addr, "/v1/audio/speech", &json);
+    let mut seen = vec![0u8; 1 << 16];
+    loop {
+        let n = first.peek(&mut seen).unwrap();
+        let head = seen[..n].windows(4).position(|w| w == b"\r\n\r\n");
+        if head.is_some_and(|h| n > h + 4 + 64) {
+            break;
+        }
+        assert!(t0.elapsed() < Duration::from_secs(60), "no audio from the first request");
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    let (first, others): (Answer, Vec<Answer>) = std::thread::scope(|scope| {
+        let first = scope.spawn(move || read_answer(first, t0));
+        let clients: Vec<_> = (0..5).map(|_| scope.spawn(|| speech(addr, &json))).collect();
+        let others = clients.into_iter().map(|c| c.join().unwrap()).collect();
+        (first.join().unwrap(), others)
     });
-    let ok: Vec<&Answer> = answers.iter().filter(|a| a.status == 200).collect();
-    let busy: Vec<&Answer> = answers.iter().filter(|a| a.status == 503).collect();
-    assert_eq!(ok.len() + busy.len(), 6, "{:?}", answers.iter().map(|a| a.status).collect::<Vec<_>>());
+    assert_eq!(first.status, 200, "{}", first.text());
+    let ok: Vec<&Answer> = std::iter::once(&first).chain(others.iter().filter(|a| a.status == 200)).collect();
+    let busy: Vec<&Answer> = others.iter().filter(|a| a.status == 503).collect();
+    assert_eq!(ok.len() + busy.len(), 6, "{:?}", others.iter().map(|a| a.status).collect::<Vec<_>>());
     assert!(!busy.is_empty() && ok.len() >= 2, "ok {}, busy {}", ok.len(), busy.len());
     for b in &busy {
         assert_eq!(b.header("retry-after"), Some("1"));
