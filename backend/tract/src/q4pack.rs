@@ -32,8 +32,9 @@ const BLOCK_LEN: usize = 32;
 const BLOCK_BYTES: usize = 18;
 
 /// Optimize `model` for running like `TypedModel::optimize` (tract's codegen passes), with
-/// [`PackQ4_0`] first so that Q4_0 weights are packed by [`pack_q4_0`]. Returns how many
-/// weight tensors it packed.
+/// [`crate::inplace::FoldReshapeInPlace`] first, so that reshapes of constant weights take
+/// no copy, and [`PackQ4_0`] next, so that Q4_0 weights are packed by [`pack_q4_0`]. Returns
+/// how many weight tensors it packed.
 ///
 /// # Errors
 /// Whatever tract's optimizer returns.
@@ -41,6 +42,7 @@ pub(crate) fn optimize(model: &mut TypedModel) -> TractResult<usize> {
     let packed = Arc::new(AtomicUsize::new(0));
     let mut passes = Optimizer::codegen().passes;
     passes.insert(0, Box::new(PackQ4_0 { packed: packed.clone() }));
+    passes.insert(0, Box::new(crate::inplace::FoldReshapeInPlace));
     let optimizer = Optimizer { passes, steps: None };
     model.optimize_with_session(&mut optimizer.session())?;
     Ok(packed.load(Ordering::Relaxed))
