@@ -167,26 +167,30 @@ pub(crate) fn pack_q4_0(input: &[u8], k: usize, r: usize, zip: usize, scales_at_
             let row = if first + i < m { first + i } else { first };
             rows.push(&input[row * row_bytes..][..row_bytes]);
         }
-        for b in 0..blocks {
-            let col = &mut out[p * panel_bytes + b * BLOCK_BYTES * r..][..BLOCK_BYTES * r];
-            let (scales, nibbles) = if scales_at_end {
-                let (n, s) = col.split_at_mut(nibble_bytes);
-                (s, n)
-            } else {
-                col.split_at_mut(2 * r)
-            };
-            for (i, row) in rows.iter().enumerate() {
-                scales[2 * i..2 * i + 2].copy_from_slice(&row[b * BLOCK_BYTES..][..2]);
-            }
-            // column `pos` of the block holds, in byte `j`, the nibbles of the `j`-th pair of
-            // rows in zipped order; a row's 16 bytes hold columns 0..16 in their low nibbles
-            // and 16..32 in their high ones, so one pass over a pair of rows fills byte `j` of
-            // all 32 columns (a pair of rows at a time instead of one nibble at a time:
-            // sequential reads; the 0.6B talker's weights pack in about 0.3 s instead of 0.8 s)
-            let half = r / 2;
-            for (j, pair) in order.chunks_exact(2).enumerate() {
-                let lo_row = &rows[pair[0]][b * BLOCK_BYTES + 2..][..BLOCK_LEN / 2];
-                let hi_row = &rows[pair[1]][b * BLOCK_BYTES + 2..][..BLOCK_LEN / 2];
+        // a pair of rows at a time, all their blocks: two sequential input streams, the writes
+        // land in the panel (18 bytes x r per block column, a few tens of KB: L1/L2). Walking
+        // the blocks outermost instead read one block from each of the r rows in turn (r
+        // streams at once), which left the packing waiting on memory.
+        let half = r / 2;
+        for (j, pair) in order.chunks_exact(2).enumerate() {
+            let (lo, hi) = (rows[pair[0]], rows[pair[1]]);
+            for b in 0..blocks {
+                let col = &mut out[p * panel_bytes + b * BLOCK_BYTES * r..][..BLOCK_BYTES * r];
+                let (scales, nibbles) = if scales_at_end {
+                    let (n, s) = col.split_at_mut(nibble_bytes);
+                    (s, n)
+                } else {
+                    col.split_at_mut(2 * r)
+                };
+                // the scales stay in row order
+                scales[2 * pair[0]..2 * pair[0] + 2].copy_from_slice(&lo[b * BLOCK_BYTES..][..2]);
+                scales[2 * pair[1]..2 * pair[1] + 2].copy_from_slice(&hi[b * BLOCK_BYTES..][..2]);
+                // column `pos` of the block holds, in byte `j`, the nibbles of the `j`-th pair
+                // of rows in zipped order; a row's 16 bytes hold columns 0..16 in their low
+                // nibbles and 16..32 in their high ones, so one pass over the pair fills byte
+                // `j` of all 32 columns
+                let lo_row = &lo[b * BLOCK_BYTES + 2..][..BLOCK_LEN / 2];
+                let hi_row = &hi[b * BLOCK_BYTES + 2..][..BLOCK_LEN / 2];
                 for (t, (&x, &y)) in lo_row.iter().zip(hi_row).enumerate() {
                     nibbles[t * half + j] = (x & 0x0F) | (y << 4);
                     nibbles[(t + BLOCK_LEN / 2) * half + j] = (x >> 4) | (y & 0xF0);
