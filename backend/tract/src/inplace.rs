@@ -38,7 +38,8 @@ impl TypedPass for FoldReshapeInPlace {
 
     fn run_direct(&mut self, model: &mut TypedModel) -> TractResult<bool> {
         let mut changed = false;
-        // a chain folds one link per sweep; each sweep visits the nodes in id order
+        // nodes are numbered in graph order, so a sweep usually folds a whole chain; one more
+        // sweep confirms that nothing is left
         loop {
             let mut folded = false;
             for id in 0..model.nodes.len() {
@@ -79,6 +80,9 @@ fn fold_one(model: &mut TypedModel, id: usize) -> TractResult<bool> {
     }
     let uniform = fact.uniform.clone();
     // Take the tensor: drop the fact's and the op's references, so that ours is the last one.
+    // From here an error leaves the source a placeholder: it aborts the whole optimize (its only
+    // caller gives up on the graph), and it cannot happen where tract's own constant folding
+    // of the same reshape would succeed.
     let tensor = konst.val().clone();
     let placeholder = Arc::new(tensor0(0f32));
     let source = &mut model.nodes[input.node];
