@@ -447,8 +447,8 @@ pub struct BenchResult {
     /// `model.size` and `model.dtype`.
     pub model: String,
     /// The model dtype (`model.dtype`: activations, KV cache, unquantized weights) and, for a
-    /// bundle whose step graphs store their projections otherwise (`model.weights`), that
-    /// format: `fp32` or `fp32, q4 weights`.
+    /// quantized bundle, the step graphs' weight format (`model.weights`): `fp32` or
+    /// `fp32, q4 weights`.
     pub dtype: String,
     /// Talker dims, e.g. `hidden 1024, 28 layers`.
     pub dims: String,
@@ -596,11 +596,7 @@ pub fn run(dir: &Path, cfg: &BenchConfig, allocs: Option<&dyn Fn() -> u64>) -> R
     Ok(BenchResult {
         bundle: dir.display().to_string(),
         model: format!("{} {}", m.model.family, m.model.size),
-        dtype: if m.weights().to_string() == m.model.dtype {
-            m.model.dtype.clone()
-        } else {
-            format!("{}, {} weights", m.model.dtype, m.weights())
-        },
+        dtype: if m.weights().is_quantized() { format!("{}, {} weights", m.model.dtype, m.weights()) } else { m.model.dtype.clone() },
         dims: format!(
             "talker hidden {} x {} layers, predictor hidden {} x {} layers",
             m.talker.hidden, m.talker.layers, m.code_predictor.hidden, m.code_predictor.layers

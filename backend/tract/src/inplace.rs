@@ -56,8 +56,7 @@ impl TypedPass for FoldReshapeInPlace {
 /// Fold node `id` into its constant input when it qualifies; returns whether it did.
 fn fold_one(model: &mut TypedModel, id: usize) -> TractResult<bool> {
     let node = &model.nodes[id];
-    let is_axis = node.op_is::<AxisOp>();
-    if !(is_axis || node.op_is::<IntoShape>()) || node.inputs.len() != 1 {
+    if !(node.op_is::<AxisOp>() || node.op_is::<IntoShape>()) || node.inputs.len() != 1 {
         return Ok(false);
     }
     let input = node.inputs[0];
