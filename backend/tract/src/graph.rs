@@ -168,14 +168,16 @@ pub(crate) fn load_plans(
                 }
             );
         }
-        let packed = crate::q4pack::optimize(&mut model).map_err(tract_err)?;
+        let q4 = crate::q4pack::optimize(&mut model).map_err(tract_err)?;
         let plan = model.into_runnable().map_err(tract_err)?;
         let optimize = t.elapsed().as_secs_f64();
         log::debug!(
-            "{name}: loaded {} ({f:?} frames) in {:.2} s: {} {before:.2} s, optimize {optimize:.2} s ({packed} Q4_0 weights packed by herald)",
+            "{name}: loaded {} ({f:?} frames) in {:.2} s: {} {before:.2} s, optimize {optimize:.2} s (Q4_0 products: {} on herald's kernels, {} packed for tract's)",
             path.display(),
             before + optimize,
             if cached { "cached decluttered model" } else { "read, parse, type and declutter" },
+            q4.herald,
+            q4.packed,
         );
         plans.push(Graph { plan, inputs, outputs, load_seconds: before + optimize, cached, heads });
     }

@@ -15,6 +15,7 @@ mod heads;
 mod inplace;
 mod nnef_text;
 pub mod profile;
+mod q4gemv;
 mod q4pack;
 pub mod sanitize;
 pub mod snake;

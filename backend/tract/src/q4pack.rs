@@ -31,21 +31,40 @@ const BLOCK_LEN: usize = 32;
 /// byte `j` and weight `j + 16` in its high nibble (GGML's `block_q4_0`).
 const BLOCK_BYTES: usize = 18;
 
+/// What [`optimize`] did to a graph's Q4_0 products.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub(crate) struct Q4Products {
+    /// Products moved to herald's kernels ([`crate::q4gemv::Q4MatMul`]).
+    pub herald: usize,
+    /// Weights packed by [`pack_q4_0`] for tract's kernels.
+    pub packed: usize,
+}
+
 /// Optimize `model` for running like `TypedModel::optimize` (tract's codegen passes), with
 /// [`crate::inplace::FoldReshapeInPlace`] first, so that reshapes of constant weights take
-/// no copy, and [`PackQ4_0`] next, so that Q4_0 weights are packed by [`pack_q4_0`]. Returns
-/// how many weight tensors it packed.
+/// no copy, then [`crate::q4gemv::UseQ4MatMul`] on the kernel [`crate::q4gemv::Kernel::chosen`]
+/// picks (when it picks one), so that Q4_0 products run on herald's kernels, and [`PackQ4_0`],
+/// so that the Q4_0 weights left to tract are packed by [`pack_q4_0`].
 ///
 /// # Errors
 /// Whatever tract's optimizer returns.
-pub(crate) fn optimize(model: &mut TypedModel) -> TractResult<usize> {
+pub(crate) fn optimize(model: &mut TypedModel) -> TractResult<Q4Products> {
+    optimize_with(model, crate::q4gemv::Kernel::chosen())
+}
+
+/// [`optimize`] with herald's Q4_0 products on `kernel`, or left to tract when `None`.
+pub(crate) fn optimize_with(model: &mut TypedModel, kernel: Option<crate::q4gemv::Kernel>) -> TractResult<Q4Products> {
     let packed = Arc::new(AtomicUsize::new(0));
+    let herald = Arc::new(AtomicUsize::new(0));
     let mut passes = Optimizer::codegen().passes;
     passes.insert(0, Box::new(PackQ4_0 { packed: packed.clone() }));
+    if let Some(kernel) = kernel {
+        passes.insert(0, Box::new(crate::q4gemv::UseQ4MatMul { kernel, replaced: herald.clone() }));
+    }
     passes.insert(0, Box::new(crate::inplace::FoldReshapeInPlace));
     let optimizer = Optimizer { passes, steps: None };
     model.optimize_with_session(&mut optimizer.session())?;
-    Ok(packed.load(Ordering::Relaxed))
+    Ok(Q4Products { herald: herald.load(Ordering::Relaxed), packed: packed.load(Ordering::Relaxed) })
 }
 
 /// An optimizer pass: replaces every `OptSimpleMatMulPack` of a constant Q4_0 tensor with the
@@ -209,7 +228,7 @@ fn zipped_order(r: usize, zip: usize) -> Vec<usize> {
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use super::*;
 
     /// Deterministic bytes (xorshift), any value: the packing moves bytes and nibbles without
@@ -273,7 +292,7 @@ mod tests {
 
     /// A Q4_0 matmul as tract-onnx builds one for `MatMulNBits` (bits 4, block 32): `x [1, s, k]`
     /// against a constant Q4_0 weight `[1, m, k]`, through an `EinSum`.
-    fn q4_matmul(m: usize, k: usize, s: usize) -> TypedModel {
+    pub(crate) fn q4_matmul(m: usize, k: usize, s: usize) -> TypedModel {
         use tract_linalg::block_quant::BlockQuantFact;
         use tract_onnx::tract_core::ops::einsum::EinSum;
         let w: Vec<f32> = bytes(m * k, 11).iter().map(|b| (*b as f32 - 128.0) / 64.0).collect();
@@ -293,7 +312,7 @@ mod tests {
         model.into_decluttered().unwrap()
     }
 
-    /// In a whole optimize, the pass replaces tract's own packing (one weight packed here) and
+    /// In a whole optimize with tract's kernels, the pass replaces tract's own packing (one weight packed here) and
     /// the plan computes bit for bit what tract's own packing gives, for one row and for a
     /// prefill-sized batch (different kernels).
     #[test]
@@ -301,7 +320,7 @@ mod tests {
         let (m, k) = (96, 128);
         for s in [1usize, 7] {
             let mut ours = q4_matmul(m, k, s);
-            assert_eq!(optimize(&mut ours).unwrap(), 1, "the pass packed the weight");
+            assert_eq!(optimize_with(&mut ours, None).unwrap().packed, 1, "the pass packed the weight");
             let mut theirs = q4_matmul(m, k, s);
             theirs.optimize().unwrap();
             let x: Vec<f32> = bytes(s * k, 5).iter().map(|b| *b as f32 / 255.0 - 0.5).collect();
