@@ -34,7 +34,7 @@ pub const DEFAULT_BUNDLE: &str = "/usr/share/herald/bundles/default";
 pub const CONFIG_ENV: &str = "HERALD_CONFIG";
 /// `HERALD_*` variables that are not settings but are used by herald or its tooling, so that
 /// they are not rejected as unknown settings.
-pub const ENV_ALLOWED: &[&str] = &[CONFIG_ENV, "HERALD_HW_PROFILE", "HERALD_PYTHON"];
+pub const ENV_ALLOWED: &[&str] = &[CONFIG_ENV, "HERALD_HW_PROFILE", "HERALD_PYTHON", "HERALD_Q4_KERNEL"];
 /// Prefixes of `HERALD_*` variables that are not settings (test hooks).
 pub const ENV_ALLOWED_PREFIXES: &[&str] = &["HERALD_TEST_"];
 
@@ -2003,7 +2003,10 @@ mod tests {
             "{msg}"
         );
         assert!(msg.contains("HERALD_AUDIO_VOLUME,"), "{msg}");
-        assert!(msg.ends_with("also allowed: HERALD_CONFIG, HERALD_HW_PROFILE, HERALD_PYTHON, HERALD_TEST_*"), "{msg}");
+        assert!(
+            msg.ends_with("also allowed: HERALD_CONFIG, HERALD_HW_PROFILE, HERALD_PYTHON, HERALD_Q4_KERNEL, HERALD_TEST_*"),
+            "{msg}"
+        );
         // even when the file is fine, and before the file is read
         let e = Config::load_with_default(Path::new(NO_DEFAULT), Some(Path::new("/nonexistent")), &env(&[("HERALD_GPIO_PIN", "4")]))
             .unwrap_err();

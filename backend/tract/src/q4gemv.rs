@@ -9,22 +9,26 @@
 //! Q4_0 tensor (`com.microsoft.MatMulNBits`, bits 4, block 32, as tract-onnx wires it: an
 //! `EinSum` `..k, gnk -> ..n` with `g = 1`) by a kernel written for this shape:
 //!
-//! - the weights are kept row by row, each row's nibbles contiguous (`k / 2` bytes, GGML's
-//!   order within a block: byte `j` holds weight `j` low and `j + 16` high) and its f16 block
-//!   scales in a separate array, so that a row is one sequential stream;
-//! - AVX-512: sixteen nibbles become sixteen f32 lanes with one zero-extension and one
-//!   permutation through a 16-entry table of `q - 8` (`vpermps` reads only the low four bits
-//!   of each index, so no mask is needed); four rows share each activation load;
-//! - AVX2 + FMA + F16C: the same with eight lanes, the `- 8` taken out as `8 · Σ x` per block;
+//! - the weights are kept in **groups** of four Q4_0 blocks (128 weights, one 64-byte cache
+//!   line of nibbles) and **panels** of four rows, a panel one sequential stream of groups
+//!   ([`Q4Weights`]), the f16 block scales in a separate array;
+//! - AVX-512: a group is one 512-bit load of sixteen 32-bit lanes holding eight nibbles each;
+//!   nibble `i` of every lane is `lane >> 4i`, looked up in a 16-entry table of `(q − 8) · d`
+//!   (`vpermps` reads only the low four bits of each index, so no mask is needed; the table is
+//!   multiplied by the block's scale once per block): per block and row two shifts, two
+//!   permutations and two FMAs per activation row; the panel's stream prefetched
+//!   [`x86::PREFETCH`] bytes ahead;
+//! - AVX2 + FMA + F16C: the same lanes in two 256-bit halves, nibbles masked and converted,
+//!   the `− 8` taken out as `8 · Σ x` per block;
 //! - elsewhere (and as the tests' reference): a plain loop, `Σ_b d_b Σ_j (q_j − 8) x_j`.
+//!
+//! Up to [`MAX_X_ROWS`] activation rows share each pass over the weights (the code
+//! predictor's two-position prefill costs little more than one step); longer inputs (the
+//! talker's prompt prefill) take passes of four rows.
 //!
 //! Activations and accumulation stay f32, as in tract's kernel and onnxruntime's default
 //! `MatMulNBits`: the products differ from theirs by summation order only (the parity test
 //! against onnxruntime keeps checking codes and PCM).
-//!
-//! For more than one activation row (the prefill), each tile of [`TILE_ROWS`] weight rows is
-//! dequantized once to f32 and every activation row is multiplied against it, so the weights
-//! are still read from memory once.
 
 use std::sync::Arc;
 
@@ -35,27 +39,44 @@ use tract_onnx::tract_core::ops::einsum::einsum_matmul::EinSumMatMul;
 use tract_onnx::tract_core::optim::{OptimizerSession, TypedPass};
 use tract_onnx::tract_hir::internal::*;
 
+use crate::q4pack::{BLOCK_BYTES, BLOCK_LEN};
 use crate::stack::{view, view_mut};
 
-/// Weights per Q4_0 block (GGML's `QK4_0`).
-const BLOCK_LEN: usize = 32;
-/// Bytes per GGML Q4_0 block: an f16 scale, then 16 bytes of nibbles.
-const BLOCK_BYTES: usize = 18;
-/// Weight rows dequantized at once for a product of several activation rows: 16 rows of
-/// `k = 3072` are 192 KB of f32, which stays in the L2 cache while every row multiplies them.
-const TILE_ROWS: usize = 16;
+/// Weights per group: four Q4_0 blocks, whose 64 bytes of nibbles fill one cache line.
+const GROUP_LEN: usize = 4 * BLOCK_LEN;
+/// Activation rows that share one pass over the weights (the kernels hold `4 × MAX_X_ROWS`
+/// accumulators in registers).
+const MAX_X_ROWS: usize = 4;
 
-/// A Q4_0 weight `[n, k]` in the layout of herald's kernels: for row `r`, its `k / 2` nibble
-/// bytes at `nibbles[r * k / 2..]` (per block of 32 weights, byte `j` holds weight `j` in its
-/// low nibble and weight `j + 16` in its high nibble; a weight is `(q − 8) · scale`) and its
-/// `k / 32` block scales, f16 bits, at `scales[r * k / 32..]`.
+/// One group of one row: 64 bytes, 64-byte aligned. Byte `4l + h` is byte `l` of the group's
+/// block `h` (GGML order: weight `l` of the block in the low nibble, weight `l + 16` in the
+/// high one), so the 32-bit lane `l` holds in its nibble `i` the weight `16 i + l` of the
+/// group.
+#[derive(Clone, Copy, Debug)]
+#[repr(C, align(64))]
+struct Group([u8; 64]);
+
+/// A Q4_0 weight `[n, k]` in the layout of herald's kernels: **panels** of four rows, each
+/// panel one sequential stream of groups (group 0 of its rows 0–3, then group 1 of rows 0–3,
+/// …), so that the kernel reads the weights strictly in order and one prefetch stream covers
+/// them (a stream per row ran at 7.5 GB/s for rows of 3072 weights on the build machine, the
+/// panel at 12.2–12.4 GB/s for every row length). The f16 block scales (bits) in runs of
+/// sixteen blocks per row: per panel and run, rows 0–3 sixteen scales each.
+///
+/// Padding: `k` rounds up to whole runs of 512 weights and `n` to whole panels, with blocks of
+/// scale 0 (weights exactly 0); at 0.6B dimensions (`k` of 1024, 2048 or 3072, `n` a
+/// multiple of 4) there is none.
 #[derive(Debug)]
 pub(crate) struct Q4Weights {
     /// Output features (rows).
     n: usize,
     /// Input features (columns), a positive multiple of 32.
     k: usize,
-    nibbles: Vec<u8>,
+    /// Groups per row, `⌈k / 128⌉`.
+    groups: usize,
+    /// `[⌈n / 4⌉ panels][groups][4 rows]`.
+    nibbles: Vec<Group>,
+    /// `[⌈n / 4⌉ panels][⌈groups / 4⌉ runs][4 rows][16 blocks]`.
     scales: Vec<u16>,
 }
 
@@ -66,38 +87,50 @@ impl Q4Weights {
         if n == 0 || k == 0 || !k.is_multiple_of(BLOCK_LEN) || blocks.len() != n * k / BLOCK_LEN * BLOCK_BYTES {
             return None;
         }
-        let mut nibbles = Vec::with_capacity(n * k / 2);
-        let mut scales = Vec::with_capacity(n * k / BLOCK_LEN);
-        for block in blocks.chunks_exact(BLOCK_BYTES) {
-            scales.push(u16::from_le_bytes([block[0], block[1]]));
-            nibbles.extend_from_slice(&block[2..]);
-        }
-        Some(Q4Weights { n, k, nibbles, scales })
-    }
-
-    /// Bytes held: the nibbles and the f16 scales (0.5625 bytes per weight).
-    pub(crate) fn bytes(&self) -> usize {
-        self.nibbles.len() + 2 * self.scales.len()
-    }
-
-    fn row_nibbles(&self, r: usize) -> &[u8] {
-        &self.nibbles[r * self.k / 2..][..self.k / 2]
-    }
-
-    fn row_scales(&self, r: usize) -> &[u16] {
-        &self.scales[r * self.k / BLOCK_LEN..][..self.k / BLOCK_LEN]
-    }
-
-    /// Row `r` as f32 weights, `(q − 8) · scale` (`out.len() == k`).
-    fn dequantize_row(&self, r: usize, out: &mut [f32]) {
-        let (nib, sc) = (self.row_nibbles(r), self.row_scales(r));
-        for (b, (q, o)) in nib.chunks_exact(BLOCK_LEN / 2).zip(out.chunks_exact_mut(BLOCK_LEN)).enumerate() {
-            let d = half::f16::from_bits(sc[b]).to_f32();
-            for (j, &byte) in q.iter().enumerate() {
-                o[j] = ((byte & 0x0F) as f32 - 8.0) * d;
-                o[j + 16] = ((byte >> 4) as f32 - 8.0) * d;
+        let (groups, panels) = (k.div_ceil(GROUP_LEN), n.div_ceil(4));
+        let runs = groups.div_ceil(4);
+        let mut nibbles = vec![Group([0; 64]); panels * groups * 4];
+        let mut scales = vec![0u16; panels * runs * 64];
+        for (b, block) in blocks.chunks_exact(BLOCK_BYTES).enumerate() {
+            let (r, c) = (b / (k / BLOCK_LEN), b % (k / BLOCK_LEN));
+            let (p, i) = (r / 4, r % 4);
+            scales[((p * runs + c / 16) * 4 + i) * 16 + c % 16] = u16::from_le_bytes([block[0], block[1]]);
+            let (group, h) = (&mut nibbles[(p * groups + c / 4) * 4 + i], c % 4);
+            for (l, &byte) in block[2..].iter().enumerate() {
+                group.0[4 * l + h] = byte;
             }
         }
+        Some(Q4Weights { n, k, groups, nibbles, scales })
+    }
+
+    /// Bytes held: the nibbles and the f16 scales (0.5625 bytes per weight without padding).
+    pub(crate) fn bytes(&self) -> usize {
+        self.nibbles.len() * 64 + 2 * self.scales.len()
+    }
+
+    /// Columns the kernels read per activation row: `k` rounded up to a whole group.
+    fn padded_k(&self) -> usize {
+        self.groups * GROUP_LEN
+    }
+
+    /// Panels of four rows (the last may hold padding rows).
+    fn panels(&self) -> usize {
+        self.n.div_ceil(4)
+    }
+
+    /// Runs of sixteen blocks per row.
+    fn runs(&self) -> usize {
+        self.groups.div_ceil(4)
+    }
+
+    /// Panel `p`'s groups, `[groups][4 rows]`.
+    fn panel_groups(&self, p: usize) -> &[Group] {
+        &self.nibbles[p * self.groups * 4..][..self.groups * 4]
+    }
+
+    /// Panel `p`'s scales, `[runs][4 rows][16 blocks]`.
+    fn panel_scales(&self, p: usize) -> &[u16] {
+        &self.scales[p * self.runs() * 64..][..self.runs() * 64]
     }
 }
 
@@ -117,7 +150,11 @@ impl Kernel {
     pub(crate) fn detect() -> Kernel {
         #[cfg(target_arch = "x86_64")]
         {
-            if std::arch::is_x86_feature_detected!("avx512f") {
+            if std::arch::is_x86_feature_detected!("avx512f")
+                && std::arch::is_x86_feature_detected!("avx2")
+                && std::arch::is_x86_feature_detected!("fma")
+                && std::arch::is_x86_feature_detected!("f16c")
+            {
                 return Kernel::Avx512;
             }
             if std::arch::is_x86_feature_detected!("avx2")
@@ -130,76 +167,74 @@ impl Kernel {
         Kernel::Portable
     }
 
-    /// Whether this CPU has a kernel worth using in place of tract's: a vector one. On other
-    /// CPUs (aarch64 today) tract's own Q4_0 kernels stay.
-    pub(crate) fn available() -> bool {
-        Kernel::detect() != Kernel::Portable
-    }
-
     /// The kernel the optimizer puts in place of tract's Q4_0 products, or `None` to keep
-    /// tract's. Opt-in for now, through the environment variable `HERALD_Q4_KERNEL`: `herald`
-    /// picks [`Kernel::detect`] when [`Kernel::available`], `portable` the plain loop; unset,
-    /// empty or `tract` keeps tract's kernels (the default: herald's do not yet beat them end
-    /// to end, docs/performance.md). Any other value is ignored with a warning.
+    /// tract's, from the environment variable `HERALD_Q4_KERNEL`:
+    ///
+    /// - unset or empty: herald's AVX-512 kernel where the CPU has AVX-512 (measured faster
+    ///   than tract's end to end, docs/performance.md), tract's kernels elsewhere (aarch64
+    ///   today, and x86 without AVX-512, where herald's AVX2 kernel was not measured against
+    ///   tract's);
+    /// - `herald`: herald's widest kernel for this CPU ([`Kernel::detect`]), tract's on a CPU
+    ///   without AVX2;
+    /// - `tract`: tract's kernels; `portable`: herald's plain loop (for tests and comparisons).
+    ///
+    /// Any other value is ignored with a warning (the default applies).
     pub(crate) fn chosen() -> Option<Kernel> {
+        let default = || Some(Kernel::detect()).filter(|k| *k == Kernel::Avx512);
         match std::env::var("HERALD_Q4_KERNEL").ok().as_deref() {
-            None | Some("") | Some("tract") => None,
+            None | Some("") => default(),
+            Some("tract") => None,
             Some("portable") => Some(Kernel::Portable),
-            Some("herald") => Kernel::available().then(Kernel::detect),
+            Some("herald") => Some(Kernel::detect()).filter(|k| *k != Kernel::Portable),
             Some(other) => {
-                log::warn!("HERALD_Q4_KERNEL={other:?} is not one of tract, herald, portable: keeping tract's kernels");
-                None
+                log::warn!("HERALD_Q4_KERNEL={other:?} is not one of tract, herald, portable: using the default");
+                default()
             }
         }
     }
 
-    /// `y[i] = Σ_c w[rows.start + i][c] · x[c]` for the rows `rows` of `w` (`x.len() == w.k`,
-    /// `y.len() == rows.len()`).
-    fn gemv(self, w: &Q4Weights, rows: std::ops::Range<usize>, x: &[f32], y: &mut [f32]) {
-        debug_assert_eq!(x.len(), w.k);
-        debug_assert_eq!(y.len(), rows.len());
+    /// `y[m][r] = Σ_c w[r][c] · x[m][c]` for every weight row `r < n` and `M` activation rows
+    /// `x` (row `m` at `x[m * w.padded_k()..]`, zero past `k`) into `y` (row `m` at
+    /// `y[m * y_stride..]`, column `r`).
+    fn gemm<const M: usize>(self, w: &Q4Weights, x: &[f32], y: &mut [f32], y_stride: usize) {
+        assert!((1..=MAX_X_ROWS).contains(&M) && x.len() >= M * w.padded_k());
+        assert!(y_stride >= w.n && y.len() >= (M - 1) * y_stride + w.n);
         match self {
             #[cfg(target_arch = "x86_64")]
-            // SAFETY: `detect` found AVX-512F on this CPU (the only way to get this variant
-            // outside the tests, which check the feature themselves).
-            Kernel::Avx512 => unsafe { x86::gemv_avx512(w, rows, x, y) },
+            // SAFETY: `detect` found AVX-512F, AVX2, FMA and F16C on this CPU (the only way to
+            // get this variant outside the tests, which check the features themselves); the
+            // asserts above bound every read of x and write of y.
+            Kernel::Avx512 => unsafe { x86::gemm_avx512::<M>(w, x, y, y_stride) },
             #[cfg(target_arch = "x86_64")]
             // SAFETY: as above, AVX2, FMA and F16C.
-            Kernel::Avx2 => unsafe { x86::gemv_avx2(w, rows, x, y) },
-            _ => gemv_portable(w, rows, x, y),
+            Kernel::Avx2 => unsafe { x86::gemm_avx2::<M>(w, x, y, y_stride) },
+            _ => gemm_portable::<M>(w, x, y, y_stride),
         }
     }
 }
 
-/// The reference product: `Σ_b d_b · Σ_j (q_j − 8) · x_j`, in order.
-fn gemv_portable(w: &Q4Weights, rows: std::ops::Range<usize>, x: &[f32], y: &mut [f32]) {
-    for (r, out) in rows.zip(y.iter_mut()) {
-        let (nib, sc) = (w.row_nibbles(r), w.row_scales(r));
-        let mut acc = 0f32;
-        for (b, (q, xs)) in nib.chunks_exact(BLOCK_LEN / 2).zip(x.chunks_exact(BLOCK_LEN)).enumerate() {
-            let mut t = 0f32;
-            for (j, &byte) in q.iter().enumerate() {
-                t += ((byte & 0x0F) as f32 - 8.0) * xs[j] + ((byte >> 4) as f32 - 8.0) * xs[j + 16];
+/// The reference product: `Σ_b d_b · Σ_j (q_j − 8) · x_j`, in order (as [`Kernel::gemm`]).
+fn gemm_portable<const M: usize>(w: &Q4Weights, x: &[f32], y: &mut [f32], y_stride: usize) {
+    let kp = w.padded_k();
+    for r in 0..w.n {
+        let (groups, sc) = (w.panel_groups(r / 4), w.panel_scales(r / 4));
+        for m in 0..M {
+            let xs = &x[m * kp..][..kp];
+            let mut acc = 0f32;
+            for g in 0..w.groups {
+                let group = &groups[g * 4 + r % 4];
+                for h in 0..4 {
+                    let xb = &xs[g * GROUP_LEN + h * BLOCK_LEN..][..BLOCK_LEN];
+                    let mut t = 0f32;
+                    for l in 0..16 {
+                        let byte = group.0[4 * l + h];
+                        t += ((byte & 0x0F) as f32 - 8.0) * xb[l] + ((byte >> 4) as f32 - 8.0) * xb[l + 16];
+                    }
+                    let d = sc[((g / 4) * 4 + r % 4) * 16 + (g % 4) * 4 + h];
+                    acc += half::f16::from_bits(d).to_f32() * t;
+                }
             }
-            acc += half::f16::from_bits(sc[b]).to_f32() * t;
-        }
-        *out = acc;
-    }
-}
-
-/// `y[r] = Σ_c a[r][c] · x[c]` for f32 rows `a` (`rows × k`, row-major) (the prefill's tile).
-fn dot_rows(kernel: Kernel, a: &[f32], k: usize, x: &[f32], y: &mut [f32]) {
-    match kernel {
-        #[cfg(target_arch = "x86_64")]
-        // SAFETY: as in `Kernel::gemv`.
-        Kernel::Avx512 => unsafe { x86::dot_rows_avx512(a, k, x, y) },
-        #[cfg(target_arch = "x86_64")]
-        // SAFETY: as in `Kernel::gemv`.
-        Kernel::Avx2 => unsafe { x86::dot_rows_avx2(a, k, x, y) },
-        _ => {
-            for (row, out) in a.chunks_exact(k).zip(y.iter_mut()) {
-                *out = row.iter().zip(x).map(|(a, b)| a * b).sum();
-            }
+            y[m * y_stride + r] = acc;
         }
     }
 }
@@ -208,123 +243,210 @@ fn dot_rows(kernel: Kernel, a: &[f32], k: usize, x: &[f32], y: &mut [f32]) {
 mod x86 {
     use std::arch::x86_64::*;
 
-    use super::{BLOCK_LEN, Q4Weights};
+    use super::{Group, Q4Weights};
 
-    /// How far ahead of the kernel each row's nibbles are prefetched, in bytes.
-    const PREFETCH: usize = 256;
+    /// How far ahead of the kernel a panel's stream is prefetched, in bytes: two groups of its
+    /// four rows. Measured on the build machine (AMD EPYC, panels streamed from memory):
+    /// 12.3–12.4 GB/s of int4 weights from 256 to 2048 bytes ahead.
+    pub(super) const PREFETCH: usize = 512;
 
-    /// The f16 block scales `src` as f32 into `dst` (16 at a time with F16C).
-    #[inline(always)]
-    unsafe fn scales_f32(src: &[u16], dst: &mut [f32; 16]) {
-        if src.len() == 16 {
-            // SAFETY: 16 u16 read, 16 f32 written; F16C comes with both kernels' features.
-            unsafe {
-                let h = _mm256_loadu_si256(src.as_ptr().cast());
-                _mm256_storeu_ps(dst.as_mut_ptr(), _mm256_cvtph_ps(_mm256_castsi256_si128(h)));
-                _mm256_storeu_ps(dst.as_mut_ptr().add(8), _mm256_cvtph_ps(_mm256_extracti128_si256::<1>(h)));
-            }
-        } else {
-            for (d, s) in dst.iter_mut().zip(src) {
-                *d = half::f16::from_bits(*s).to_f32();
-            }
+    /// The sixteen f16 scales at `src` as f32 into `dst`.
+    ///
+    /// # Safety
+    /// F16C; 16 scales readable at `src`.
+    #[target_feature(enable = "avx2,f16c")]
+    #[inline]
+    unsafe fn scales_f32(src: *const u16, dst: &mut [f32; 16]) {
+        // SAFETY: 16 u16 read (the caller), 16 f32 written.
+        unsafe {
+            let h = _mm256_loadu_si256(src.cast());
+            _mm256_storeu_ps(dst.as_mut_ptr(), _mm256_cvtph_ps(_mm256_castsi256_si128(h)));
+            _mm256_storeu_ps(dst.as_mut_ptr().add(8), _mm256_cvtph_ps(_mm256_extracti128_si256::<1>(h)));
         }
     }
 
-    /// Four rows at a time, then one at a time; per block, 16 nibble bytes zero-extended to
-    /// 16 lanes, the low and high nibbles looked up in a table of `q − 8`.
+    /// Block `h` of a group for one weight row against `M` activation rows: the nibbles
+    /// `v >> LO` (weights `32 h .. 32 h + 16` of the group) and `v >> HI` (the next 16) looked
+    /// up in `table`, the block's `(q − 8) · d`.
     #[target_feature(enable = "avx512f,avx2,f16c,fma")]
-    #[allow(clippy::needless_range_loop)] // j indexes the blocks, the scales and the row offsets together
-    pub(super) unsafe fn gemv_avx512(w: &Q4Weights, rows: std::ops::Range<usize>, x: &[f32], y: &mut [f32]) {
-        let blocks = w.k / BLOCK_LEN;
+    #[inline]
+    unsafe fn block_avx512<const M: usize, const LO: u32, const HI: u32>(
+        v: __m512i,
+        table: __m512,
+        xb: [*const f32; M],
+        mut acc: [__m512; M],
+    ) -> [__m512; M] {
+        let wl = _mm512_permutexvar_ps(if LO == 0 { v } else { _mm512_srli_epi32::<LO>(v) }, table);
+        let wh = _mm512_permutexvar_ps(_mm512_srli_epi32::<HI>(v), table);
+        for m in 0..M {
+            // SAFETY: the caller passes 32 readable floats at each xb[m].
+            unsafe {
+                acc[m] = _mm512_fmadd_ps(wl, _mm512_loadu_ps(xb[m]), acc[m]);
+                acc[m] = _mm512_fmadd_ps(wh, _mm512_loadu_ps(xb[m].add(16)), acc[m]);
+            }
+        }
+        acc
+    }
+
+    /// One group of one weight row: its 64 bytes at `group`, its four block scales at `d`,
+    /// the `M` activation rows' 128 floats at `xg`.
+    #[target_feature(enable = "avx512f,avx2,f16c,fma")]
+    #[inline]
+    unsafe fn group_avx512<const M: usize>(group: *const Group, d: *const f32, xg: [*const f32; M], acc: [__m512; M]) -> [__m512; M] {
         let lut = _mm512_setr_ps(-8., -7., -6., -5., -4., -3., -2., -1., 0., 1., 2., 3., 4., 5., 6., 7.);
-        let xp = x.as_ptr();
-        let mut r = rows.start;
-        let mut out = 0;
-        while r < rows.end {
-            let tall = (rows.end - r).min(4);
-            let mut nib = [std::ptr::null::<u8>(); 4];
-            for (i, p) in nib.iter_mut().enumerate() {
-                *p = w.row_nibbles(r + i.min(tall - 1)).as_ptr();
-            }
-            let mut acc = [_mm512_setzero_ps(); 4];
-            let mut d = [[0f32; 16]; 4];
-            let mut b0 = 0;
-            while b0 < blocks {
-                let g = (blocks - b0).min(16);
-                for (i, di) in d.iter_mut().enumerate() {
-                    // SAFETY: g ≤ 16 scales of the row.
-                    unsafe { scales_f32(&w.row_scales(r + i.min(tall - 1))[b0..b0 + g], di) };
-                }
-                for j in 0..g {
-                    let b = b0 + j;
-                    if b % 4 == 0 {
-                        for p in nib {
-                            // a hint only: prefetching past the end of the row is harmless
-                            _mm_prefetch::<_MM_HINT_T0>(p.wrapping_add(b * 16 + PREFETCH).cast());
-                        }
-                    }
-                    // SAFETY: block b < blocks: 32 floats of x and 16 bytes of each row.
-                    unsafe {
-                        let xl = _mm512_loadu_ps(xp.add(b * BLOCK_LEN));
-                        let xh = _mm512_loadu_ps(xp.add(b * BLOCK_LEN + 16));
-                        for i in 0..4 {
-                            let q = _mm512_cvtepu8_epi32(_mm_loadu_si128(nib[i].add(b * 16).cast()));
-                            let wl = _mm512_permutexvar_ps(q, lut);
-                            let wh = _mm512_permutexvar_ps(_mm512_srli_epi32::<4>(q), lut);
-                            let t = _mm512_fmadd_ps(wh, xh, _mm512_mul_ps(wl, xl));
-                            acc[i] = _mm512_fmadd_ps(t, _mm512_set1_ps(d[i][j]), acc[i]);
-                        }
-                    }
-                }
-                b0 += g;
-            }
-            for (i, a) in acc.iter().enumerate().take(tall) {
-                y[out + i] = _mm512_reduce_add_ps(*a);
-            }
-            r += tall;
-            out += tall;
+        // SAFETY: the caller passes a whole group, four scales and 128 floats per row.
+        unsafe {
+            let v = _mm512_load_si512(group.cast());
+            let at = |h: usize| -> [*const f32; M] { std::array::from_fn(|m| xg[m].add(32 * h)) };
+            let table = |h: usize| _mm512_mul_ps(lut, _mm512_set1_ps(*d.add(h)));
+            let acc = block_avx512::<M, 0, 4>(v, table(0), at(0), acc);
+            let acc = block_avx512::<M, 8, 12>(v, table(1), at(1), acc);
+            let acc = block_avx512::<M, 16, 20>(v, table(2), at(2), acc);
+            block_avx512::<M, 24, 28>(v, table(3), at(3), acc)
         }
     }
 
-    /// Eight lanes: per block, the four runs of eight weights (bytes 0–7 and 8–15, low and
-    /// high nibbles) zero-extended and converted; `Σ (q − 8) x = Σ q x − 8 Σ x`, with the block
-    /// sums of `x` taken once.
-    #[target_feature(enable = "avx2,f16c,fma")]
-    #[allow(clippy::needless_range_loop)] // j indexes the blocks, the scales and the block sums together
-    pub(super) unsafe fn gemv_avx2(w: &Q4Weights, rows: std::ops::Range<usize>, x: &[f32], y: &mut [f32]) {
-        let blocks = w.k / BLOCK_LEN;
-        let sums: Vec<f32> = x.chunks_exact(BLOCK_LEN).map(|c| c.iter().sum::<f32>() * 8.0).collect();
+    /// A panel of four weight rows per pass, `M` activation rows (see
+    /// [`super::Kernel::gemm`]); per group and row one 64-byte load, per block a table of
+    /// `(q − 8) · d` and [`block_avx512`].
+    ///
+    /// # Safety
+    /// AVX-512F, AVX2, FMA and F16C; `x` holds `M` rows of `w.padded_k()`, `y` `M` rows of
+    /// `y_stride ≥ w.n`.
+    #[target_feature(enable = "avx512f,avx2,f16c,fma")]
+    pub(super) unsafe fn gemm_avx512<const M: usize>(w: &Q4Weights, x: &[f32], y: &mut [f32], y_stride: usize) {
+        let kp = w.padded_k();
         let xp = x.as_ptr();
-        let low = _mm256_set1_epi32(0x0F);
-        let mut d = [0f32; 16];
-        for (r, out) in rows.zip(y.iter_mut()) {
-            let nib = w.row_nibbles(r).as_ptr();
-            let sc = w.row_scales(r);
-            let mut acc = _mm256_setzero_ps();
-            let mut corr = 0f32;
-            let mut b0 = 0;
-            while b0 < blocks {
-                let g = (blocks - b0).min(16);
-                // SAFETY: g ≤ 16 scales.
-                unsafe { scales_f32(&sc[b0..b0 + g], &mut d) };
-                for j in 0..g {
-                    let b = b0 + j;
-                    // SAFETY: block b < blocks: 32 floats of x, 16 bytes of the row.
-                    unsafe {
-                        let q0 = _mm256_cvtepu8_epi32(_mm_loadl_epi64(nib.add(b * 16).cast()));
-                        let q1 = _mm256_cvtepu8_epi32(_mm_loadl_epi64(nib.add(b * 16 + 8).cast()));
-                        let xb = xp.add(b * BLOCK_LEN);
-                        let mut t = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_and_si256(q0, low)), _mm256_loadu_ps(xb));
-                        t = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_and_si256(q1, low)), _mm256_loadu_ps(xb.add(8)), t);
-                        t = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_srli_epi32::<4>(q0)), _mm256_loadu_ps(xb.add(16)), t);
-                        t = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_srli_epi32::<4>(q1)), _mm256_loadu_ps(xb.add(24)), t);
-                        acc = _mm256_fmadd_ps(t, _mm256_set1_ps(d[j]), acc);
-                    }
-                    corr += d[j] * sums[b];
+        for p in 0..w.panels() {
+            let (nib, sc) = (w.panel_groups(p).as_ptr(), w.panel_scales(p).as_ptr());
+            let (mut a0, mut a1, mut a2, mut a3) =
+                ([_mm512_setzero_ps(); M], [_mm512_setzero_ps(); M], [_mm512_setzero_ps(); M], [_mm512_setzero_ps(); M]);
+            let mut d = [[0f32; 16]; 4];
+            // runs of four groups (sixteen blocks: one load of scales per row), the last maybe shorter
+            for run in 0..w.runs() {
+                for (i, di) in d.iter_mut().enumerate() {
+                    // SAFETY: a run holds 4 rows × 16 scales.
+                    unsafe { scales_f32(sc.add((run * 4 + i) * 16), di) };
                 }
-                b0 += g;
+                let g0 = run * 4;
+                for j in 0..(w.groups - g0).min(4) {
+                    let g = g0 + j;
+                    // SAFETY: group g < groups of the panel (4 rows each); its four scales in d;
+                    // the x rows hold kp = 128 · groups floats, so the 128 floats at xg[m] are
+                    // in bounds.
+                    unsafe {
+                        let at = nib.add(4 * g);
+                        // a hint only: prefetching past the end of the panel is harmless
+                        let ahead = at.cast::<i8>().wrapping_add(PREFETCH);
+                        for line in 0..4 {
+                            _mm_prefetch::<_MM_HINT_T0>(ahead.wrapping_add(64 * line));
+                        }
+                        let xg: [*const f32; M] = std::array::from_fn(|m| xp.add(m * kp + g * 128));
+                        a0 = group_avx512::<M>(at, d[0].as_ptr().add(4 * j), xg, a0);
+                        a1 = group_avx512::<M>(at.add(1), d[1].as_ptr().add(4 * j), xg, a1);
+                        a2 = group_avx512::<M>(at.add(2), d[2].as_ptr().add(4 * j), xg, a2);
+                        a3 = group_avx512::<M>(at.add(3), d[3].as_ptr().add(4 * j), xg, a3);
+                    }
+                }
             }
-            *out = hsum256(acc) - corr;
+            for (i, a) in [a0, a1, a2, a3].iter().enumerate().take(w.n - 4 * p) {
+                for (m, v) in a.iter().enumerate() {
+                    y[m * y_stride + 4 * p + i] = _mm512_reduce_add_ps(*v);
+                }
+            }
+        }
+    }
+
+    /// Block `h` of a group, one 256-bit half of its lanes, for one weight row against `M`
+    /// activation rows: `Σ q x` of the nibbles `v >> LO` and `v >> HI` into `t`.
+    #[target_feature(enable = "avx2,f16c,fma")]
+    #[inline]
+    unsafe fn half_block_avx2<const M: usize, const LO: i32, const HI: i32>(v: __m256i, xb: [*const f32; M], t: &mut [__m256; M]) {
+        let low = _mm256_set1_epi32(0x0F);
+        let ql = _mm256_cvtepi32_ps(_mm256_and_si256(_mm256_srli_epi32::<LO>(v), low));
+        let qh = _mm256_cvtepi32_ps(_mm256_and_si256(_mm256_srli_epi32::<HI>(v), low));
+        for m in 0..M {
+            // SAFETY: the caller passes 24 readable floats at each xb[m].
+            unsafe {
+                t[m] = _mm256_fmadd_ps(ql, _mm256_loadu_ps(xb[m]), t[m]);
+                t[m] = _mm256_fmadd_ps(qh, _mm256_loadu_ps(xb[m].add(16)), t[m]);
+            }
+        }
+    }
+
+    /// As [`gemm_avx512`] with eight lanes: a group is two 256-bit halves (lanes 0–7 and
+    /// 8–15); per block `Σ (q − 8) x = Σ q x − 8 Σ x`, the sums of x shared by the four rows.
+    ///
+    /// # Safety
+    /// AVX2, FMA and F16C; bounds as [`gemm_avx512`].
+    #[target_feature(enable = "avx2,f16c,fma")]
+    #[allow(clippy::needless_range_loop)] // i indexes the rows' groups, scales and accumulators together
+    pub(super) unsafe fn gemm_avx2<const M: usize>(w: &Q4Weights, x: &[f32], y: &mut [f32], y_stride: usize) {
+        let kp = w.padded_k();
+        let xp = x.as_ptr();
+        let eight = _mm256_set1_ps(8.0);
+        for p in 0..w.panels() {
+            let (nib, sc) = (w.panel_groups(p).as_ptr(), w.panel_scales(p).as_ptr());
+            let mut acc = [[_mm256_setzero_ps(); M]; 4];
+            let mut d = [[0f32; 16]; 4];
+            for g in 0..w.groups {
+                if g % 4 == 0 {
+                    for (i, di) in d.iter_mut().enumerate() {
+                        // SAFETY: a run holds 4 rows × 16 scales.
+                        unsafe { scales_f32(sc.add((g + i) * 16), di) };
+                    }
+                }
+                let ahead = nib.wrapping_add(4 * g).cast::<i8>().wrapping_add(PREFETCH);
+                for line in 0..4 {
+                    _mm_prefetch::<_MM_HINT_T0>(ahead.wrapping_add(64 * line));
+                }
+                for h in 0..4 {
+                    // SAFETY: as in gemm_avx512: group g of the panel, 32 floats of each x row
+                    // at block h of group g.
+                    unsafe {
+                        let xb: [*const f32; M] = std::array::from_fn(|m| xp.add(m * kp + g * 128 + 32 * h));
+                        // 8 Σ x of the block, per activation row
+                        let sx: [__m256; M] = std::array::from_fn(|m| {
+                            let s = _mm256_add_ps(_mm256_loadu_ps(xb[m]), _mm256_loadu_ps(xb[m].add(8)));
+                            let s = _mm256_add_ps(s, _mm256_add_ps(_mm256_loadu_ps(xb[m].add(16)), _mm256_loadu_ps(xb[m].add(24))));
+                            _mm256_mul_ps(s, eight)
+                        });
+                        let x8: [*const f32; M] = std::array::from_fn(|m| xb[m].add(8));
+                        for i in 0..4 {
+                            let q = nib.add(4 * g + i).cast::<__m256i>();
+                            let (v0, v1) = (_mm256_load_si256(q), _mm256_load_si256(q.add(1)));
+                            let mut t = [_mm256_setzero_ps(); M];
+                            match h {
+                                0 => {
+                                    half_block_avx2::<M, 0, 4>(v0, xb, &mut t);
+                                    half_block_avx2::<M, 0, 4>(v1, x8, &mut t);
+                                }
+                                1 => {
+                                    half_block_avx2::<M, 8, 12>(v0, xb, &mut t);
+                                    half_block_avx2::<M, 8, 12>(v1, x8, &mut t);
+                                }
+                                2 => {
+                                    half_block_avx2::<M, 16, 20>(v0, xb, &mut t);
+                                    half_block_avx2::<M, 16, 20>(v1, x8, &mut t);
+                                }
+                                _ => {
+                                    half_block_avx2::<M, 24, 28>(v0, xb, &mut t);
+                                    half_block_avx2::<M, 24, 28>(v1, x8, &mut t);
+                                }
+                            }
+                            let ds = _mm256_set1_ps(d[i][(g % 4) * 4 + h]);
+                            for m in 0..M {
+                                acc[i][m] = _mm256_fmadd_ps(_mm256_sub_ps(t[m], sx[m]), ds, acc[i][m]);
+                            }
+                        }
+                    }
+                }
+            }
+            for (i, a) in acc.iter().enumerate().take(w.n - 4 * p) {
+                for (m, v) in a.iter().enumerate() {
+                    y[m * y_stride + 4 * p + i] = hsum256(*v);
+                }
+            }
         }
     }
 
@@ -335,56 +457,6 @@ mod x86 {
         let s = _mm_add_ps(s, _mm_movehl_ps(s, s));
         let s = _mm_add_ss(s, _mm_movehdup_ps(s));
         _mm_cvtss_f32(s)
-    }
-
-    /// f32 rows against one vector, four rows sharing each load of `x`.
-    #[target_feature(enable = "avx512f,avx2,fma")]
-    pub(super) unsafe fn dot_rows_avx512(a: &[f32], k: usize, x: &[f32], y: &mut [f32]) {
-        let rows = y.len();
-        let mut r = 0;
-        while r < rows {
-            let tall = (rows - r).min(4);
-            let p: [*const f32; 4] = std::array::from_fn(|i| a[(r + i.min(tall - 1)) * k..].as_ptr());
-            let mut acc = [_mm512_setzero_ps(); 4];
-            let mut c = 0;
-            while c + 16 <= k {
-                // SAFETY: c + 16 ≤ k floats of x and of each row.
-                unsafe {
-                    let xv = _mm512_loadu_ps(x.as_ptr().add(c));
-                    for i in 0..4 {
-                        acc[i] = _mm512_fmadd_ps(_mm512_loadu_ps(p[i].add(c)), xv, acc[i]);
-                    }
-                }
-                c += 16;
-            }
-            for i in 0..tall {
-                let mut s = _mm512_reduce_add_ps(acc[i]);
-                for cc in c..k {
-                    s += a[(r + i) * k + cc] * x[cc];
-                }
-                y[r + i] = s;
-            }
-            r += tall;
-        }
-    }
-
-    /// As [`dot_rows_avx512`] with eight lanes.
-    #[target_feature(enable = "avx2,fma")]
-    pub(super) unsafe fn dot_rows_avx2(a: &[f32], k: usize, x: &[f32], y: &mut [f32]) {
-        for (row, out) in a.chunks_exact(k).zip(y.iter_mut()) {
-            let mut acc = _mm256_setzero_ps();
-            let mut c = 0;
-            while c + 8 <= k {
-                // SAFETY: c + 8 ≤ k floats of x and of the row.
-                unsafe { acc = _mm256_fmadd_ps(_mm256_loadu_ps(row.as_ptr().add(c)), _mm256_loadu_ps(x.as_ptr().add(c)), acc) };
-                c += 8;
-            }
-            let mut s = hsum256(acc);
-            for cc in c..k {
-                s += row[cc] * x[cc];
-            }
-            *out = s;
-        }
     }
 }
 
@@ -408,25 +480,30 @@ impl PartialEq for Q4MatMul {
 impl Eq for Q4MatMul {}
 
 impl Q4MatMul {
-    /// `y = x · Wᵀ` for f32 `x` of `rows × k` (row-major) into `y` of `rows × n`.
+    /// `y = x · Wᵀ` for f32 `x` of `rows × k` (row-major) into `y` of `rows × n`: passes of up
+    /// to [`MAX_X_ROWS`] activation rows over the weights. When `k` is not a multiple of 128
+    /// (tiny bundles only) each pass copies its rows into a zero-padded buffer.
     fn product(&self, x: &[f32], y: &mut [f32]) {
-        let (n, k) = (self.weights.n, self.weights.k);
-        let rows = x.len() / k;
-        if rows == 1 {
-            self.kernel.gemv(&self.weights, 0..n, x, y);
-            return;
-        }
-        // the prefill: a tile of weight rows dequantized once, every activation row against it
-        let mut tile = vec![0f32; TILE_ROWS * k];
-        let mut out = [0f32; TILE_ROWS];
-        for r0 in (0..n).step_by(TILE_ROWS) {
-            let tall = (n - r0).min(TILE_ROWS);
-            for i in 0..tall {
-                self.weights.dequantize_row(r0 + i, &mut tile[i * k..][..k]);
-            }
-            for (xs, ys) in x.chunks_exact(k).zip(y.chunks_exact_mut(n)) {
-                dot_rows(self.kernel, &tile[..tall * k], k, xs, &mut out[..tall]);
-                ys[r0..r0 + tall].copy_from_slice(&out[..tall]);
+        let w = &*self.weights;
+        let (n, k, kp) = (w.n, w.k, w.padded_k());
+        let mut padded = Vec::new();
+        for (xs, ys) in x.chunks(MAX_X_ROWS * k).zip(y.chunks_mut(MAX_X_ROWS * n)) {
+            let m = xs.len() / k;
+            let xs = if kp == k {
+                xs
+            } else {
+                padded.clear();
+                padded.resize(m * kp, 0f32);
+                for (src, dst) in xs.chunks_exact(k).zip(padded.chunks_exact_mut(kp)) {
+                    dst[..k].copy_from_slice(src);
+                }
+                &padded[..]
+            };
+            match m {
+                1 => self.kernel.gemm::<1>(w, xs, ys, n),
+                2 => self.kernel.gemm::<2>(w, xs, ys, n),
+                3 => self.kernel.gemm::<3>(w, xs, ys, n),
+                _ => self.kernel.gemm::<4>(w, xs, ys, n),
             }
         }
     }
@@ -590,8 +667,8 @@ fn q4_product(model: &TypedModel, node: &TypedNode) -> TractResult<Option<Matche
     let one = |f: &TypedFact, a: usize| f.shape[a].is_one();
     // (weight position, x position) of the summed axes, (weight, output) of the output
     // features, (x, output) of the rows, x's size-1 axes the output drops, the output's
-    // size-1 axes found in no operand
-    let (mut k_axes, mut n_axes, mut rows, mut x_only, mut y_only) = (vec![], vec![], vec![], vec![], vec![]);
+    // size-1 axes found in no operand (left None in `y_lead`)
+    let (mut k_axes, mut n_axes, mut rows, mut x_only) = (vec![], vec![], vec![], vec![]);
     for axis in einsum.axes.iter_all_axes() {
         if axis.inputs.len() != 2 || axis.outputs.len() != 1 || axis.inputs.iter().chain(&axis.outputs).any(|p| p.len() > 1) {
             return not_covered("an axis repeated within an operand");
@@ -602,7 +679,8 @@ fn q4_product(model: &TypedModel, node: &TypedNode) -> TractResult<Option<Matche
             (None, Some(&w), None) if one(w_fact, w) => {}
             (Some(&x), None, Some(&y)) => rows.push((x, y)),
             (Some(&x), None, None) if one(x_fact, x) => x_only.push(x),
-            (None, None, Some(&y)) if one(y_fact, y) => y_only.push(y),
+            // a size-1 output axis: `y_lead` below leaves it None
+            (None, None, Some(&y)) if one(y_fact, y) => {}
             _ => return not_covered("an axis of the weight kept with x, or a summed axis of size above 1 in one operand"),
         }
     }
@@ -626,7 +704,6 @@ fn q4_product(model: &TypedModel, node: &TypedNode) -> TractResult<Option<Matche
     for &(x, y) in &rows {
         y_lead[y] = Some(x);
     }
-    debug_assert!(y_only.iter().all(|&y| y_lead[y].is_none()));
     let n_shape: TVec<usize> = n_axes.iter().map(|&(a, _)| w.shape()[a]).collect();
     let k: usize = k_axes.iter().map(|&(a, _)| w.shape()[a]).product();
     let n: usize = n_shape.iter().product();
@@ -692,15 +769,21 @@ mod tests {
     }
 
     /// Every kernel, one row and several, against tract's own dequantization: within float32
-    /// rounding of the sum (relative to the sum of absolute terms), for row counts that leave
-    /// partial groups of four rows and block counts that leave partial groups of sixteen.
+    /// rounding of the sum (relative to the sum of absolute terms), for weight-row counts that
+    /// leave partial groups of four rows, block counts that leave partial groups of four blocks
+    /// (a padded last group) and of sixteen (a partial run of scales), and activation-row counts
+    /// of every pass width (1–4) and of several passes (5, 17).
     #[test]
     fn every_kernel_matches_tracts_dequantization() {
         for &(n, k) in &[(1usize, 32usize), (5, 64), (37, 544), (64, 1024), (19, 3072)] {
             let bytes = blocks(n, k, (n * 31 + k) as u64);
             let w = Q4Weights::from_q4_0(&bytes, n, k).unwrap();
-            assert_eq!(w.bytes(), bytes.len());
-            for rows in [1usize, 3, 17] {
+            // whole groups of 64 nibble bytes and four scales per row
+            assert_eq!(w.bytes(), n.div_ceil(4) * 4 * (k.div_ceil(128) * 64 + k.div_ceil(512) * 32));
+            if k % 512 == 0 && n % 4 == 0 {
+                assert_eq!(w.bytes(), bytes.len(), "no padding when k is a multiple of 512 and n of 4");
+            }
+            for rows in [1usize, 2, 3, 4, 5, 17] {
                 let x = floats(rows * k, (rows * 7 + k) as u64);
                 let want = reference(&bytes, n, k, &x);
                 // the scale of the rounding error: Σ |w x| ≤ 8 · 0.1 · Σ |x| per row

@@ -26,10 +26,10 @@ use tract_onnx::tract_core::ops::matmul::pack::OptSimpleMatMulPack;
 use tract_onnx::tract_core::optim::{Optimizer, OptimizerSession, TypedPass};
 
 /// Weights per Q4_0 block (GGML's `QK4_0`).
-const BLOCK_LEN: usize = 32;
+pub(crate) const BLOCK_LEN: usize = 32;
 /// Bytes per Q4_0 block: an f16 scale, then 16 bytes holding weight `j` in the low nibble of
 /// byte `j` and weight `j + 16` in its high nibble (GGML's `block_q4_0`).
-const BLOCK_BYTES: usize = 18;
+pub(crate) const BLOCK_BYTES: usize = 18;
 
 /// What [`optimize`] did to a graph's Q4_0 products.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
