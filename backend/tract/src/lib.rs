@@ -17,6 +17,7 @@ mod nnef_text;
 pub mod profile;
 mod q4gemv;
 mod q4pack;
+mod runtime_matmul;
 pub mod sanitize;
 pub mod snake;
 pub mod stack;

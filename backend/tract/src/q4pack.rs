@@ -61,9 +61,13 @@ pub(crate) fn optimize_with(model: &mut TypedModel, kernel: Option<crate::q4gemv
     if let Some(kernel) = kernel {
         passes.insert(0, Box::new(crate::q4gemv::UseQ4MatMul { kernel, replaced: herald.clone() }));
     }
+    let runtime = crate::runtime_matmul::UseRuntimeMatMul::default();
+    let attention = runtime.replaced.clone();
+    passes.insert(0, Box::new(runtime));
     passes.insert(0, Box::new(crate::inplace::FoldReshapeInPlace));
     let optimizer = Optimizer { passes, steps: None };
     model.optimize_with_session(&mut optimizer.session())?;
+    log::debug!("{} products of two run-time operands on herald's loops", attention.load(Ordering::Relaxed));
     Ok(Q4Products { herald: herald.load(Ordering::Relaxed), packed: packed.load(Ordering::Relaxed) })
 }
 
