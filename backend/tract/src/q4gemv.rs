@@ -546,6 +546,10 @@ impl EvalOp for Q4MatMul {
         // SAFETY: every element is written by `product` (n per row of x).
         let mut y = unsafe { Tensor::uninitialized::<f32>(&shape)? };
         let xv = view::<f32>(&x)?;
+        let rows: usize = shape[..shape.len() - ps.n_shape.len()].iter().product();
+        if xv.len() != rows * k {
+            bail!("HeraldQ4MatMul: x {xs:?} holds {} values, not the {rows} rows of {k} its output {shape:?} needs", xv.len());
+        }
         if !xv.is_empty() {
             self.product(xv, view_mut::<f32>(&mut y)?);
         }
@@ -761,7 +765,7 @@ mod tests {
             {
                 v.push(Kernel::Avx2);
             }
-            if std::arch::is_x86_feature_detected!("avx512f") {
+            if Kernel::detect() == Kernel::Avx512 {
                 v.push(Kernel::Avx512);
             }
         }

@@ -12,7 +12,9 @@
 //!   (the scores `q · kᵀ`, summed over the head dimension);
 //! - an `axpy` per summed index when an output axis is contiguous in the right operand and the
 //!   output (the weighted sum `p · v`, whose values rows are contiguous);
-//! - plain loops otherwise.
+//! - other forms, and operands that broadcast, stay with tract (plain loops over a large
+//!   product would be far slower than its kernels); at run time, shapes that leave neither
+//!   fast path (an axis of size 1 where the graph had a symbol) take plain loops.
 //!
 //! The sums are float32 with a different order than tract's kernels (the parity tests against
 //! the reference decoder and onnxruntime keep checking codes and PCM).
@@ -314,6 +316,8 @@ fn runtime_product(model: &TypedModel, node: &TypedNode) -> TractResult<Option<R
         }
         let place = (axis.inputs[0].first().copied(), axis.inputs[1].first().copied(), axis.outputs[0].first().copied());
         match place {
+            // broadcasting (size 1 in one operand, more in the other) is left to tract
+            (Some(pa), Some(pb), _) if a.shape[pa] != b.shape[pb] => return Ok(None),
             (Some(_), Some(_), None) => summed += 1,
             // summed away from one operand only: covered only when it is known to be 1
             (Some(p), None, None) if a.shape[p].is_one() => {}
@@ -324,6 +328,19 @@ fn runtime_product(model: &TypedModel, node: &TypedNode) -> TractResult<Option<R
         axes.push(place);
     }
     if summed == 0 {
+        return Ok(None);
+    }
+    // only the forms with a fast path (plain loops are far slower than tract's kernels on
+    // large products): the one summed axis of size above 1 last in both operands (the dot),
+    // or an output axis of `b` only, last in `b` and in the output (the axpy)
+    let last = |f: &TypedFact, p: usize| f.shape[p + 1..].iter().all(|d| d.is_one());
+    let dot = {
+        let one = |&(pa, pb, _): &AxisPlace| pa.is_some_and(|p| a.shape[p].is_one()) || pb.is_some_and(|p| b.shape[p].is_one());
+        let mut k = axes.iter().filter(|place| place.2.is_none() && !one(place));
+        matches!((k.next(), k.next()), (Some(&(Some(pa), Some(pb), None)), None) if last(a, pa) && last(b, pb))
+    };
+    let axpy = axes.iter().any(|&(pa, pb, py)| matches!((pa, pb, py), (None, Some(pb), Some(py)) if last(b, pb) && last(y, py)));
+    if !dot && !axpy {
         return Ok(None);
     }
     log::trace!("{}: a run-time product on herald's loops: {}", node.name, einsum.axes);
@@ -352,20 +369,24 @@ mod tests {
 
     /// The attention products of a decode step and of a prefill (the exporter's forms: scores
     /// summed over the head dimension, contiguous in both; the weighted sum over the positions,
-    /// values rows contiguous) and a form of neither, against tract's own optimized plan.
+    /// values rows contiguous) against tract's own optimized plan; a form with neither fast path
+    /// and a broadcasting one stay with tract.
     #[test]
     fn matches_tracts_kernels() {
-        let cases: &[(&str, &[usize], &[usize])] = &[
+        // (expression, shapes, whether herald takes it)
+        let cases: &[(&str, &[usize], &[usize], bool)] = &[
             // scores: q [1, kv, g·s, d] · kc [1, p, kv, d] -> [1, kv, g·s, p]
-            ("akgd,apkd->akgp", &[1, 4, 2, 16], &[1, 9, 4, 16]),
-            ("akgd,apkd->akgp", &[1, 4, 14, 16], &[1, 7, 4, 16]),
+            ("akgd,apkd->akgp", &[1, 4, 2, 16], &[1, 9, 4, 16], true),
+            ("akgd,apkd->akgp", &[1, 4, 14, 16], &[1, 7, 4, 16], true),
             // weighted sum: p [1, kv, g·s, p] · vc [1, p, kv, d] -> [1, kv, g·s, d]
-            ("akgp,apkd->akgd", &[1, 4, 2, 9], &[1, 9, 4, 16]),
-            ("akgp,apkd->akgd", &[1, 4, 14, 7], &[1, 7, 4, 16]),
-            // neither: summed axis strided in both, no contiguous output axis in b
-            ("ikj,kji->ij", &[3, 5, 4], &[5, 4, 3]),
+            ("akgp,apkd->akgd", &[1, 4, 2, 9], &[1, 9, 4, 16], true),
+            ("akgp,apkd->akgd", &[1, 4, 14, 7], &[1, 7, 4, 16], true),
+            // neither fast path (summed axes strided, no output axis last in b): left to tract
+            ("ikj,kji->ij", &[3, 5, 4], &[5, 4, 3], false),
+            // broadcasting over the batch axis: left to tract
+            ("bij,bjk->bik", &[1, 3, 5], &[4, 5, 6], false),
         ];
-        for &(expr, sa, sb) in cases {
+        for &(expr, sa, sb, taken) in cases {
             let a = Tensor::from_shape(sa, &floats(sa.iter().product(), 3)).unwrap();
             let b = Tensor::from_shape(sb, &floats(sb.iter().product(), 4)).unwrap();
             let run = |mut m: TypedModel, ours: bool| {
@@ -376,8 +397,8 @@ mod tests {
                     passes.insert(0, Box::new(pass));
                     let optimizer = tract_onnx::tract_core::optim::Optimizer { passes, steps: None };
                     m.optimize_with_session(&mut optimizer.session()).unwrap();
-                    assert_eq!(replaced.load(Ordering::Relaxed), 1, "{expr}: one product replaced");
-                    assert!(m.nodes.iter().any(|n| n.op.name() == "HeraldRuntimeMatMul"), "{expr}");
+                    assert_eq!(replaced.load(Ordering::Relaxed), taken as usize, "{expr}: replaced or not");
+                    assert_eq!(m.nodes.iter().any(|n| n.op.name() == "HeraldRuntimeMatMul"), taken, "{expr}");
                 } else {
                     m.optimize().unwrap();
                 }
