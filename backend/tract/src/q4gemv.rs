@@ -34,8 +34,6 @@ use std::sync::Arc;
 
 use tract_linalg::block_quant::{BlockQuantFact, BlockQuantStorage, Q4_0};
 use tract_onnx::prelude::*;
-use tract_onnx::tract_core::ops::einsum::EinSum;
-use tract_onnx::tract_core::ops::einsum::einsum_matmul::EinSumMatMul;
 use tract_onnx::tract_core::optim::{OptimizerSession, TypedPass};
 use tract_onnx::tract_hir::internal::*;
 
@@ -640,14 +638,7 @@ struct ProductShape {
 /// the weight, e.g. `[hidden, heads, head_dim]` for the attention output projection; the
 /// blocks still run along the flattened rows.) Returns the weight in herald's layout.
 fn q4_product(model: &TypedModel, node: &TypedNode) -> TractResult<Option<Matched>> {
-    let einsum = match (node.op_as::<EinSum>(), node.op_as::<EinSumMatMul>()) {
-        (Some(e), _) => e,
-        (None, Some(m)) => &m.op,
-        (None, None) => return Ok(None),
-    };
-    if node.inputs.len() != 2 || einsum.q_params.is_some() || einsum.operating_dt != f32::datum_type() {
-        return Ok(None);
-    }
+    let Some(einsum) = crate::runtime_matmul::binary_f32_einsum(node) else { return Ok(None) };
     let x_fact = model.outlet_fact(node.inputs[0])?;
     let w_fact = model.outlet_fact(node.inputs[1])?;
     let y_fact = model.outlet_fact(OutletId::new(node.id, 0))?;

@@ -288,17 +288,22 @@ impl TypedPass for UseRuntimeMatMul {
     }
 }
 
-/// The [`RuntimeMatMul`] for `node`, when it is an `EinSum` (or tract's `EinSumMatMul` around
-/// one) of two run-time float32 operands that it covers.
-fn runtime_product(model: &TypedModel, node: &TypedNode) -> TractResult<Option<RuntimeMatMul>> {
+/// `node`'s einsum when it is a float32 `EinSum` of two inputs, or tract's `EinSumMatMul`
+/// around one, without quantization parameters: what both of herald's product passes start
+/// from (here and [`crate::q4gemv`]).
+pub(crate) fn binary_f32_einsum(node: &TypedNode) -> Option<&EinSum> {
     let einsum = match (node.op_as::<EinSum>(), node.op_as::<EinSumMatMul>()) {
         (Some(e), _) => e,
         (None, Some(m)) => &m.op,
-        (None, None) => return Ok(None),
+        (None, None) => return None,
     };
-    if node.inputs.len() != 2 || einsum.q_params.is_some() || einsum.operating_dt != f32::datum_type() {
-        return Ok(None);
-    }
+    (node.inputs.len() == 2 && einsum.q_params.is_none() && einsum.operating_dt == f32::datum_type()).then_some(einsum)
+}
+
+/// The [`RuntimeMatMul`] for `node`, when it is an `EinSum` (or tract's `EinSumMatMul` around
+/// one) of two run-time float32 operands that it covers.
+fn runtime_product(model: &TypedModel, node: &TypedNode) -> TractResult<Option<RuntimeMatMul>> {
+    let Some(einsum) = binary_f32_einsum(node) else { return Ok(None) };
     let (a, b) = (model.outlet_fact(node.inputs[0])?, model.outlet_fact(node.inputs[1])?);
     let y = model.outlet_fact(OutletId::new(node.id, 0))?;
     let f32t = f32::datum_type();
