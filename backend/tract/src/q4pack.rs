@@ -42,7 +42,8 @@ pub(crate) struct Q4Products {
 
 /// Optimize `model` for running like `TypedModel::optimize` (tract's codegen passes), with
 /// [`crate::inplace::FoldReshapeInPlace`] first, so that reshapes of constant weights take
-/// no copy, then [`crate::q4gemv::UseQ4MatMul`] on the kernel [`crate::q4gemv::Kernel::chosen`]
+/// no copy, then [`crate::runtime_matmul::UseRuntimeMatMul`] for the attention's products of two
+/// run-time operands (every graph, every dtype), then [`crate::q4gemv::UseQ4MatMul`] on the kernel [`crate::q4gemv::Kernel::chosen`]
 /// picks (when it picks one), so that Q4_0 products run on herald's kernels, and [`PackQ4_0`],
 /// so that the Q4_0 weights left to tract are packed by [`pack_q4_0`].
 ///
