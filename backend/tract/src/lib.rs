@@ -12,6 +12,7 @@ pub mod cache;
 pub mod compute;
 mod graph;
 mod heads;
+mod im2col;
 mod inplace;
 mod nnef_text;
 pub mod profile;

@@ -104,6 +104,16 @@ fn time_nodes(
             per_run.push(times);
         }
     }
+    if log::log_enabled!(log::Level::Trace) {
+        // the slowest nodes of the last run, by name (`RUST_LOG=backend_tract=trace`)
+        let last = per_run.last().cloned().unwrap_or_default();
+        let mut slowest: Vec<(usize, f64)> = last.iter().copied().enumerate().collect();
+        slowest.sort_by(|a, b| b.1.total_cmp(&a.1));
+        for (id, s) in slowest.into_iter().take(40) {
+            let node = &model.nodes()[id];
+            log::trace!("{:8.2} ms  {} ({})  {:?}", s * 1e3, node.name, node.op().name(), node.outputs.first().map(|o| &o.fact.shape));
+        }
+    }
     // op type -> (tract op -> ms per run, ms per run, nodes)
     type Acc = (BTreeMap<String, Vec<f64>>, Vec<f64>, usize);
     let mut by_op: BTreeMap<String, Acc> = BTreeMap::new();

@@ -45,7 +45,9 @@ pub(crate) struct Q4Products {
 /// no copy, then [`crate::runtime_matmul::UseRuntimeMatMul`] for the attention's products of two
 /// run-time operands (every graph, every dtype), then [`crate::q4gemv::UseQ4MatMul`] on the kernel [`crate::q4gemv::Kernel::chosen`]
 /// picks (when it picks one), so that Q4_0 products run on herald's kernels, and [`PackQ4_0`],
-/// so that the Q4_0 weights left to tract are packed by [`pack_q4_0`].
+/// so that the Q4_0 weights left to tract are packed by [`pack_q4_0`]; after tract's passes,
+/// [`crate::im2col::UsePanelIm2Col`], so that the vocoder's convolutions are laid out for their
+/// products a panel row at a time.
 ///
 /// # Errors
 /// Whatever tract's optimizer returns.
@@ -66,9 +68,13 @@ pub(crate) fn optimize_with(model: &mut TypedModel, kernel: Option<crate::q4gemv
     let attention = runtime.replaced.clone();
     passes.insert(0, Box::new(runtime));
     passes.insert(0, Box::new(crate::inplace::FoldReshapeInPlace));
+    let im2col = crate::im2col::UsePanelIm2Col::default();
+    let convolutions = im2col.replaced.clone();
+    passes.push(Box::new(im2col));
     let optimizer = Optimizer { passes, steps: None };
     model.optimize_with_session(&mut optimizer.session())?;
     log::debug!("{} products of two run-time operands on herald's loops", attention.load(Ordering::Relaxed));
+    log::debug!("{} convolutions packed by herald's im2col", convolutions.load(Ordering::Relaxed));
     Ok(Q4Products { herald: herald.load(Ordering::Relaxed), packed: packed.load(Ordering::Relaxed) })
 }
 
