@@ -147,6 +147,17 @@ pub fn tune(cfg: &Config, dir: &Path, m: &Manifest) -> Result<Tuned, TuneError> 
     tune_for(cfg, dir, m, profile, &allowed_cpus())
 }
 
+/// The chunk ramp before any calibration: `synthesis.ramp` when it is configured; otherwise
+/// [`model::schedule::default_ramp`] for `form` (chunks of 2 frames for the stateful vocoder,
+/// `synthesis.ramp`'s default for the windowed one).
+pub fn default_ramp(cfg: &Config, form: VocoderForm) -> Vec<usize> {
+    if cfg.origin("synthesis.ramp") != "default" {
+        cfg.synthesis.ramp.clone()
+    } else {
+        model::schedule::default_ramp(form, &cfg.synthesis.ramp)
+    }
+}
+
 /// [`tune`] with an explicit profile and CPU set (tests, `herald probe`).
 ///
 /// # Errors
@@ -159,15 +170,16 @@ pub fn tune_for(cfg: &Config, dir: &Path, m: &Manifest, profile: HardwareProfile
     // a calibration measures one vocoder form: the other one has other costs per chunk
     let bundle_id = format!("{}\nvocoder {form}", bundle_id(dir).map_err(bundle_err)?);
     let fingerprint = calibration::fingerprint(&profile, &bundle_id);
-    let steady = cfg.synthesis.ramp.last().copied().unwrap_or(25);
+    let default = default_ramp(cfg, form);
+    let steady = default.last().copied().unwrap_or(25);
     let (ramp, ramp_source) = if cfg.origin("synthesis.ramp") != "default" {
-        (cfg.synthesis.ramp.clone(), RampSource::Configured)
+        (default, RampSource::Configured)
     } else {
         let live = !profile.source.starts_with("override:");
         match calibration::load(&cfg.runtime.calibration_dir, &fingerprint, steady, live) {
             Lookup::Found(cal, path) => (cal.schedule.ramp.clone(), RampSource::Calibrated(path)),
-            Lookup::Missing(path) => (cfg.synthesis.ramp.clone(), RampSource::Default(path)),
-            Lookup::Ignored(why) => (cfg.synthesis.ramp.clone(), RampSource::Ignored(why)),
+            Lookup::Missing(path) => (default, RampSource::Default(path)),
+            Lookup::Ignored(why) => (default, RampSource::Ignored(why)),
         }
     };
     let pinned = cfg.runtime.threads == 0;

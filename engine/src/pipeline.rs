@@ -345,7 +345,10 @@ impl Engine {
     /// [`EngineError::Config`] for an unusable ramp or context; step-contract errors.
     pub fn with_bundle(bundle: Arc<Bundle>, settings: &EngineSettings) -> Result<Self, EngineError> {
         let m = &bundle.manifest;
-        let ramp: Vec<usize> = settings.ramp.clone().unwrap_or_else(|| m.vocoder.ramp.iter().map(|&r| r as usize).collect());
+        let ramp: Vec<usize> = settings.ramp.clone().unwrap_or_else(|| {
+            let bundle_ramp: Vec<usize> = m.vocoder.ramp.iter().map(|&r| r as usize).collect();
+            model::schedule::default_ramp(bundle.vocoder_form, &bundle_ramp)
+        });
         let left_context = settings.left_context.unwrap_or(m.vocoder.left_context_frames as usize);
         let schedule = ChunkSchedule::new(&ramp)?;
         let max_chunk = schedule.max_chunk();

@@ -9,7 +9,8 @@ use model::prompt::PromptMode;
 pub struct EngineSettings {
     /// Talker KV cache capacity in positions (prompt + frames); preallocated per layer.
     pub kv_capacity: usize,
-    /// Chunk ramp in frames (default: the bundle's `vocoder.ramp`).
+    /// Chunk ramp in frames (default: [`model::schedule::default_ramp`]: chunks of 2 frames for the
+    /// stateful vocoder, the bundle's `vocoder.ramp` for the windowed one).
     pub ramp: Option<Vec<usize>>,
     /// Vocoder left context in frames of the windowed vocoder (default: the bundle's
     /// `vocoder.left_context_frames`); the stateful vocoder needs none.

@@ -161,7 +161,8 @@ fn whole_frames_stay_off_the_heap_after_the_first() {
 
 #[test]
 fn the_pipeline_reports_its_threads_off_the_heap() {
-    let settings = EngineSettings::default();
+    // a ramp with changes of chunk length, which the accounting below follows
+    let settings = EngineSettings { ramp: Some(vec![2, 4, 8, 16, 25]), ..EngineSettings::default() };
     let engine = Engine::load(&common::bundle("tiny-0.6b"), &Tract, &settings).unwrap();
     let cancel = AtomicBool::new(false);
     let req = Request { max_frames: Some(60), force_eos_at: Some(60), ..Request::new("Frames, chunks and pools.") };

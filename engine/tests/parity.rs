@@ -231,7 +231,24 @@ fn codes_and_pcm_match_the_reference() {
 fn threaded_pipeline_equals_the_synchronous_path() {
     for preset in common::PRESETS {
         let b = Arc::new(Bundle::open(&common::bundle(preset), &Tract).unwrap());
-        let engine = Engine::with_bundle(b.clone(), &EngineSettings::default()).unwrap();
+        let explicit = EngineSettings { ramp: Some(vec![2, 4, 8, 16, 25]), ..EngineSettings::default() };
+        let engine = Engine::with_bundle(b.clone(), &explicit).unwrap();
+        // no ramp configured: the stateful vocoder's chunks of 2 frames, the windowed vocoder's
+        // bundle ramp
+        let default = Engine::with_bundle(b.clone(), &EngineSettings::default()).unwrap();
+        let req = Request { max_frames: Some(9), ..Request::new("Two by two.") };
+        let mut sizes = Vec::new();
+        default
+            .synthesize(&req, &AtomicBool::new(false), |c| {
+                sizes.push(c.frames);
+                Ok(())
+            })
+            .unwrap();
+        let want: &[usize] = match default.vocoder_form() {
+            model::backend::VocoderForm::Stateful => &[2, 2, 2, 2, 1],
+            model::backend::VocoderForm::Windowed => &[2, 4, 3],
+        };
+        assert_eq!(sizes, want, "{preset}: default ramp of the {} vocoder", default.vocoder_form());
         for (text, seed) in [("One utterance after another.", None), ("二つ目の発話です。", Some(7u64))] {
             let req = Request { seed, max_frames: Some(37), ..Request::new(text) };
             let mut got = Vec::new();

@@ -1,7 +1,32 @@
 //! The chunk schedule: when the vocoder stage decodes a chunk, and how many frames it holds.
 //!
-//! A ramp of chunk sizes in frames, the last size repeated (default ramp `[2, 4, 8, 16, 25]`:
-//! small first chunks for a short time to first audio, then larger ones; docs/engine.md).
+//! A ramp of chunk sizes in frames, the last size repeated. The windowed vocoder's default ramp
+//! is `[2, 4, 8, 16, 25]` (small first chunks for a short time to first audio, then larger ones
+//! that amortize the left context each window decodes again); the stateful vocoder's is
+//! [`STATEFUL_RAMP`] (docs/engine.md).
+
+use crate::backend::VocoderForm;
+
+/// The stateful vocoder's default ramp: chunks of 2 frames throughout.
+///
+/// The stateful vocoder decodes each frame once, whatever the chunk, so a large steady chunk
+/// saves nothing: it only leaves the vocoder idle while the chunk's frames are decoded and
+/// then makes the end of an utterance wait for the whole last chunk. Its cost per frame is the
+/// same or lower for small chunks (at 0.6B q4, one thread of the build machine: 75.5 ms per
+/// frame in chunks of 2, 84.8 in chunks of 25; `herald bench --profile vocoder
+/// --profile-frames N`). 2 is its one plan's length (an odd chunk costs a padded extra frame).
+/// Measured with `herald speak` (60 frames, docs/performance.md): RTF 1.03 and no playback
+/// stall with `[2]`, against 1.44 and 3.6 s of stalls with `[2, 4, 8, 16, 25]`.
+pub const STATEFUL_RAMP: [usize; 1] = [2];
+
+/// The ramp to use when none is configured: [`STATEFUL_RAMP`] for the stateful vocoder,
+/// `bundle_ramp` (the bundle's `vocoder.ramp`) for the windowed one.
+pub fn default_ramp(form: VocoderForm, bundle_ramp: &[usize]) -> Vec<usize> {
+    match form {
+        VocoderForm::Stateful => STATEFUL_RAMP.to_vec(),
+        VocoderForm::Windowed => bundle_ramp.to_vec(),
+    }
+}
 
 /// A ramp that cannot be used: empty, or listing a zero.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]

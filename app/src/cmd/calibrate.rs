@@ -118,7 +118,8 @@ fn calibrate(cfg: &Config, args: &CalibrateArgs) -> Result<(), Failure> {
     backend_tract::set_compute_threads(tuned.threads);
     backend_tract::set_graph_cache_dir(Some(cfg.runtime.graph_cache_dir.clone()));
     // measure with the configured (default) ramp, never with a previous calibration
-    let default_ramp = cfg.synthesis.ramp.clone();
+    let form = cfg.synthesis.vocoder.form().unwrap_or_else(|| manifest.default_vocoder_form());
+    let default_ramp = tuning::default_ramp(cfg, form);
     let steady = default_ramp.last().copied().unwrap_or(25);
     let settings = EngineSettings { ramp: Some(default_ramp.clone()), ..tuned.settings.clone() };
     let t_load = Instant::now();
