@@ -142,6 +142,186 @@ fn axpy(y: &mut [f32], s: f32, b: &[f32]) {
     axpy_lanes(y, s, b)
 }
 
+/// The axes of a tile of dot products: an output axis of `a` only (`b` stride 0) and one of `b`
+/// only (`a` stride 0), as (index in `outer`, index in `outer`).
+#[cfg(target_arch = "x86_64")]
+fn tile_axes(outer: &[Stride]) -> Option<(usize, usize)> {
+    let g = outer.iter().position(|s| s.b == 0 && s.a != 0)?;
+    let p = outer.iter().position(|s| s.a == 0 && s.b != 0)?;
+    Some((g, p))
+}
+
+/// AVX-512 tiles of the attention's two products: up to [`x86::MAX_ROWS`] rows of `a` against
+/// one row of `b` at a time, each `b` row read once for all of them, the sums in registers.
+#[cfg(target_arch = "x86_64")]
+mod x86 {
+    use super::Stride;
+    use std::arch::x86_64::*;
+
+    /// Most rows of `a` per tile (query heads per KV head: 2 in Qwen3-TTS's talker and
+    /// predictor, 16 query heads over 8 KV heads).
+    pub(super) const MAX_ROWS: usize = 4;
+    /// Widest summed (dot) or output (axpy) axis taken, floats (the head dimension: 128 at
+    /// 0.6B): a row of `a` stays in L1 while the rows of `b` stream past it.
+    const MAX_WIDTH: usize = 512;
+
+    fn avx512() -> bool {
+        std::arch::is_x86_feature_detected!("avx512f")
+    }
+
+    /// Whether [`dots`] takes `rows` rows of width `k` on this CPU.
+    pub(super) fn dots_fit(rows: usize, k: usize) -> bool {
+        (1..=MAX_ROWS).contains(&rows) && k.is_multiple_of(16) && (16..=MAX_WIDTH).contains(&k) && avx512()
+    }
+
+    /// Whether [`axpys`] takes `rows` rows of width `n` on this CPU.
+    pub(super) fn axpys_fit(rows: usize, n: usize) -> bool {
+        dots_fit(rows, n)
+    }
+
+    /// `y[oy + i·g.y + j·p.y] = Σ_t a[oa + i·g.a + t] · b[ob + j·p.b + t]` for every row `i` of
+    /// the axis `g` and `j` of `p`, `t < k`.
+    ///
+    /// # Safety
+    /// AVX-512F; every index above is in bounds; `1 ≤ g.size ≤ MAX_ROWS`, `k` a multiple of 16
+    /// up to `MAX_WIDTH`.
+    #[allow(clippy::too_many_arguments)]
+    pub(super) unsafe fn dots(a: &[f32], b: &[f32], y: &mut [f32], oa: usize, ob: usize, oy: usize, g: Stride, p: Stride, k: usize) {
+        // SAFETY: the caller's contract, with the row count as a constant.
+        unsafe {
+            match g.size {
+                1 => dots_g::<1>(a, b, y, oa, ob, oy, g, p, k),
+                2 => dots_g::<2>(a, b, y, oa, ob, oy, g, p, k),
+                3 => dots_g::<3>(a, b, y, oa, ob, oy, g, p, k),
+                _ => dots_g::<4>(a, b, y, oa, ob, oy, g, p, k),
+            }
+        }
+    }
+
+    #[target_feature(enable = "avx512f")]
+    #[allow(clippy::too_many_arguments)]
+    unsafe fn dots_g<const G: usize>(
+        a: &[f32],
+        b: &[f32],
+        y: &mut [f32],
+        oa: usize,
+        ob: usize,
+        oy: usize,
+        g: Stride,
+        p: Stride,
+        k: usize,
+    ) {
+        let rows: [&[f32]; G] = std::array::from_fn(|i| &a[oa + i * g.a..][..k]);
+        for j in 0..p.size {
+            let r = &b[ob + j * p.b..][..k];
+            let mut acc = [_mm512_setzero_ps(); G];
+            for c in (0..k).step_by(16) {
+                // SAFETY: 16 floats at c ≤ k − 16 of slices of k.
+                unsafe {
+                    let x = _mm512_loadu_ps(r.as_ptr().add(c));
+                    for i in 0..G {
+                        acc[i] = _mm512_fmadd_ps(_mm512_loadu_ps(rows[i].as_ptr().add(c)), x, acc[i]);
+                    }
+                }
+            }
+            for (i, s) in acc.iter().enumerate() {
+                y[oy + i * g.y + j * p.y] = _mm512_reduce_add_ps(*s);
+            }
+        }
+    }
+
+    /// `y[oy + i·g.y + t] = Σ_j a[oa + i·g.a + j·p.a] · b[ob + j·p.b + t]` for every row `i` of
+    /// the axis `g` and `t < n`, summed over `j` of `p`.
+    ///
+    /// # Safety
+    /// AVX-512F; every index above is in bounds; `1 ≤ g.size ≤ MAX_ROWS`, `n` a multiple of 16
+    /// up to `MAX_WIDTH`.
+    #[allow(clippy::too_many_arguments)]
+    pub(super) unsafe fn axpys(a: &[f32], b: &[f32], y: &mut [f32], oa: usize, ob: usize, oy: usize, g: Stride, p: Stride, n: usize) {
+        // SAFETY: the caller's contract, with the row count as a constant.
+        unsafe {
+            match (g.size, n) {
+                (1, 128) => axpys_rows::<1, 8>(a, b, y, oa, ob, oy, g, p),
+                (2, 128) => axpys_rows::<2, 8>(a, b, y, oa, ob, oy, g, p),
+                (1, 64) => axpys_rows::<1, 4>(a, b, y, oa, ob, oy, g, p),
+                (2, 64) => axpys_rows::<2, 4>(a, b, y, oa, ob, oy, g, p),
+                (1, _) => axpys_g::<1>(a, b, y, oa, ob, oy, g, p, n),
+                (2, _) => axpys_g::<2>(a, b, y, oa, ob, oy, g, p, n),
+                (3, _) => axpys_g::<3>(a, b, y, oa, ob, oy, g, p, n),
+                _ => axpys_g::<4>(a, b, y, oa, ob, oy, g, p, n),
+            }
+        }
+    }
+
+    /// [`axpys`] for rows of `16 V` floats (the head dimensions 64 and 128): each `b` row read
+    /// whole, in order, the `G × V` sums in registers.
+    #[target_feature(enable = "avx512f")]
+    #[allow(clippy::too_many_arguments, clippy::needless_range_loop)]
+    unsafe fn axpys_rows<const G: usize, const V: usize>(
+        a: &[f32],
+        b: &[f32],
+        y: &mut [f32],
+        oa: usize,
+        ob: usize,
+        oy: usize,
+        g: Stride,
+        p: Stride,
+    ) {
+        let mut acc = [[_mm512_setzero_ps(); V]; G];
+        for j in 0..p.size {
+            let r = &b[ob + j * p.b..][..16 * V];
+            let s: [__m512; G] = std::array::from_fn(|i| _mm512_set1_ps(a[oa + i * g.a + j * p.a]));
+            for c in 0..V {
+                // SAFETY: 16 floats at 16·c of a slice of 16·V.
+                let x = unsafe { _mm512_loadu_ps(r.as_ptr().add(16 * c)) };
+                for i in 0..G {
+                    acc[i][c] = _mm512_fmadd_ps(s[i], x, acc[i][c]);
+                }
+            }
+        }
+        for (i, row) in acc.iter().enumerate() {
+            let out = &mut y[oy + i * g.y..][..16 * V];
+            for (c, v) in row.iter().enumerate() {
+                // SAFETY: as above.
+                unsafe { _mm512_storeu_ps(out.as_mut_ptr().add(16 * c), *v) };
+            }
+        }
+    }
+
+    /// [`axpys`] for any width: sixteen output columns at a time.
+    #[target_feature(enable = "avx512f")]
+    #[allow(clippy::too_many_arguments)]
+    unsafe fn axpys_g<const G: usize>(
+        a: &[f32],
+        b: &[f32],
+        y: &mut [f32],
+        oa: usize,
+        ob: usize,
+        oy: usize,
+        g: Stride,
+        p: Stride,
+        n: usize,
+    ) {
+        // sixteen output columns at a time, summed over every position in registers
+        for c in (0..n).step_by(16) {
+            let mut acc = [_mm512_setzero_ps(); G];
+            for j in 0..p.size {
+                let r = &b[ob + j * p.b..][..n];
+                // SAFETY: 16 floats at c ≤ n − 16 of a slice of n.
+                let x = unsafe { _mm512_loadu_ps(r.as_ptr().add(c)) };
+                for i in 0..G {
+                    acc[i] = _mm512_fmadd_ps(_mm512_set1_ps(a[oa + i * g.a + j * p.a]), x, acc[i]);
+                }
+            }
+            for (i, s) in acc.iter().enumerate() {
+                let out = &mut y[oy + i * g.y..][..n];
+                // SAFETY: as above.
+                unsafe { _mm512_storeu_ps(out.as_mut_ptr().add(c), *s) };
+            }
+        }
+    }
+}
+
 impl RuntimeMatMul {
     /// The product of `a` and `b` (shapes as given) into `y` (row-major, shape `y_shape`).
     fn product(&self, a: &[f32], a_shape: &[usize], b: &[f32], b_shape: &[usize], y: &mut [f32], y_shape: &[usize]) {
@@ -161,11 +341,41 @@ impl RuntimeMatMul {
             && k.a == 1
             && k.b == 1
         {
+            // the scores of a decode step: rows of `a` (the query heads of one KV head, an axis
+            // `b` lacks) against rows of `b` (the cached positions), each `b` row read once for
+            // all of them
+            #[cfg(target_arch = "x86_64")]
+            if let Some((g, p)) = tile_axes(&outer)
+                && x86::dots_fit(outer[g].size, k.size)
+            {
+                let (ga, pb) = (outer[g], outer[p]);
+                let rest: TVec<Stride> = outer.iter().enumerate().filter(|&(i, _)| i != g && i != p).map(|(_, s)| *s).collect();
+                for_each(&rest, |oa, ob, oy| {
+                    // SAFETY: AVX-512F (dots_fit); every row index is within the operands' and
+                    // the output's extents, as for the general loops below.
+                    unsafe { x86::dots(a, b, y, oa, ob, oy, ga, pb, k.size) }
+                });
+                return;
+            }
             for_each(&outer, |oa, ob, oy| y[oy] = dot(&a[oa..oa + k.size], &b[ob..ob + k.size]));
             return;
         }
         if let Some(i) = outer.iter().position(|s| s.a == 0 && s.b == 1 && s.y == 1) {
             let n = outer.remove(i);
+            // the weighted sum of a decode step: each `b` row (a cached position's values) read
+            // once for every row of `a` (the query heads of its KV head), the sums in registers
+            #[cfg(target_arch = "x86_64")]
+            if let [kp] = summed[..]
+                && let Some(g) = outer.iter().position(|s| s.b == 0 && s.a != 0)
+                && x86::axpys_fit(outer[g].size, n.size)
+            {
+                let ga = outer.remove(g);
+                for_each(&outer, |oa, ob, oy| {
+                    // SAFETY: AVX-512F (axpys_fit); indices as for the general loops below.
+                    unsafe { x86::axpys(a, b, y, oa, ob, oy, ga, kp, n.size) }
+                });
+                return;
+            }
             for_each(&outer, |oa, ob, oy| {
                 for_each(&summed, |ka, kb, _| axpy(&mut y[oy..oy + n.size], a[oa + ka], &b[ob + kb..ob + kb + n.size]));
             });
@@ -383,6 +593,13 @@ mod tests {
             // scores: q [1, kv, g·s, d] · kc [1, p, kv, d] -> [1, kv, g·s, p]
             ("akgd,apkd->akgp", &[1, 4, 2, 16], &[1, 9, 4, 16], true),
             ("akgd,apkd->akgp", &[1, 4, 14, 16], &[1, 7, 4, 16], true),
+            // the 0.6B talker's shape (16 query heads over 8 KV heads of 128) and an odd one
+            // (AVX-512 tiles of 2 and 3 rows where the CPU has it)
+            ("akgd,apkd->akgp", &[1, 8, 2, 128], &[1, 33, 8, 128], true),
+            ("akgd,apkd->akgp", &[1, 2, 3, 32], &[1, 5, 2, 32], true),
+            ("akgp,apkd->akgd", &[1, 8, 2, 33], &[1, 33, 8, 128], true),
+            ("akgp,apkd->akgd", &[1, 8, 1, 33], &[1, 33, 8, 64], true),
+            ("akgp,apkd->akgd", &[1, 2, 3, 5], &[1, 5, 2, 32], true),
             // weighted sum: p [1, kv, g·s, p] · vc [1, p, kv, d] -> [1, kv, g·s, d]
             ("akgp,apkd->akgd", &[1, 4, 2, 9], &[1, 9, 4, 16], true),
             ("akgp,apkd->akgd", &[1, 4, 14, 7], &[1, 7, 4, 16], true),
