@@ -165,6 +165,19 @@ mod x86 {
     /// 0.6B): a row of `a` stays in L1 while the rows of `b` stream past it.
     const MAX_WIDTH: usize = 512;
 
+    /// One tile: the offsets of its first row of `a`, row of `b` and output element, the axis
+    /// of `a`'s rows (`g`: a stride 0 in `b`), the axis walked in `b` (`p`: the positions) and the
+    /// width of a row (the summed axis of the dots, the output axis of the axpys).
+    #[derive(Clone, Copy, Debug)]
+    pub(super) struct Tile {
+        pub oa: usize,
+        pub ob: usize,
+        pub oy: usize,
+        pub g: Stride,
+        pub p: Stride,
+        pub width: usize,
+    }
+
     fn avx512() -> bool {
         std::arch::is_x86_feature_detected!("avx512f")
     }
@@ -179,38 +192,27 @@ mod x86 {
         dots_fit(rows, n)
     }
 
-    /// `y[oy + i·g.y + j·p.y] = Σ_t a[oa + i·g.a + t] · b[ob + j·p.b + t]` for every row `i` of
-    /// the axis `g` and `j` of `p`, `t < k`.
+    /// `y[oy + i·g.y + j·p.y] = Σ_c a[oa + i·g.a + c] · b[ob + j·p.b + c]` for every row `i` of
+    /// the axis `g` and `j` of `p`, `c < k` (the tile's width), of the tile `t`.
     ///
     /// # Safety
     /// AVX-512F; every index above is in bounds; `1 ≤ g.size ≤ MAX_ROWS`, `k` a multiple of 16
     /// up to `MAX_WIDTH`.
-    #[allow(clippy::too_many_arguments)]
-    pub(super) unsafe fn dots(a: &[f32], b: &[f32], y: &mut [f32], oa: usize, ob: usize, oy: usize, g: Stride, p: Stride, k: usize) {
+    pub(super) unsafe fn dots(a: &[f32], b: &[f32], y: &mut [f32], t: Tile) {
         // SAFETY: the caller's contract, with the row count as a constant.
         unsafe {
-            match g.size {
-                1 => dots_g::<1>(a, b, y, oa, ob, oy, g, p, k),
-                2 => dots_g::<2>(a, b, y, oa, ob, oy, g, p, k),
-                3 => dots_g::<3>(a, b, y, oa, ob, oy, g, p, k),
-                _ => dots_g::<4>(a, b, y, oa, ob, oy, g, p, k),
+            match t.g.size {
+                1 => dots_g::<1>(a, b, y, t),
+                2 => dots_g::<2>(a, b, y, t),
+                3 => dots_g::<3>(a, b, y, t),
+                _ => dots_g::<4>(a, b, y, t),
             }
         }
     }
 
     #[target_feature(enable = "avx512f")]
-    #[allow(clippy::too_many_arguments)]
-    unsafe fn dots_g<const G: usize>(
-        a: &[f32],
-        b: &[f32],
-        y: &mut [f32],
-        oa: usize,
-        ob: usize,
-        oy: usize,
-        g: Stride,
-        p: Stride,
-        k: usize,
-    ) {
+    unsafe fn dots_g<const G: usize>(a: &[f32], b: &[f32], y: &mut [f32], t: Tile) {
+        let Tile { oa, ob, oy, g, p, width: k } = t;
         let rows: [&[f32]; G] = std::array::from_fn(|i| &a[oa + i * g.a..][..k]);
         for j in 0..p.size {
             let r = &b[ob + j * p.b..][..k];
@@ -230,25 +232,24 @@ mod x86 {
         }
     }
 
-    /// `y[oy + i·g.y + t] = Σ_j a[oa + i·g.a + j·p.a] · b[ob + j·p.b + t]` for every row `i` of
-    /// the axis `g` and `t < n`, summed over `j` of `p`.
+    /// `y[oy + i·g.y + c] = Σ_j a[oa + i·g.a + j·p.a] · b[ob + j·p.b + c]` for every row `i` of
+    /// the axis `g` and `c < n` (the tile's width), summed over `j` of `p`, of the tile `t`.
     ///
     /// # Safety
     /// AVX-512F; every index above is in bounds; `1 ≤ g.size ≤ MAX_ROWS`, `n` a multiple of 16
     /// up to `MAX_WIDTH`.
-    #[allow(clippy::too_many_arguments)]
-    pub(super) unsafe fn axpys(a: &[f32], b: &[f32], y: &mut [f32], oa: usize, ob: usize, oy: usize, g: Stride, p: Stride, n: usize) {
+    pub(super) unsafe fn axpys(a: &[f32], b: &[f32], y: &mut [f32], t: Tile) {
         // SAFETY: the caller's contract, with the row count as a constant.
         unsafe {
-            match (g.size, n) {
-                (1, 128) => axpys_rows::<1, 8>(a, b, y, oa, ob, oy, g, p),
-                (2, 128) => axpys_rows::<2, 8>(a, b, y, oa, ob, oy, g, p),
-                (1, 64) => axpys_rows::<1, 4>(a, b, y, oa, ob, oy, g, p),
-                (2, 64) => axpys_rows::<2, 4>(a, b, y, oa, ob, oy, g, p),
-                (1, _) => axpys_g::<1>(a, b, y, oa, ob, oy, g, p, n),
-                (2, _) => axpys_g::<2>(a, b, y, oa, ob, oy, g, p, n),
-                (3, _) => axpys_g::<3>(a, b, y, oa, ob, oy, g, p, n),
-                _ => axpys_g::<4>(a, b, y, oa, ob, oy, g, p, n),
+            match (t.g.size, t.width) {
+                (1, 128) => axpys_rows::<1, 8>(a, b, y, t),
+                (2, 128) => axpys_rows::<2, 8>(a, b, y, t),
+                (1, 64) => axpys_rows::<1, 4>(a, b, y, t),
+                (2, 64) => axpys_rows::<2, 4>(a, b, y, t),
+                (1, _) => axpys_g::<1>(a, b, y, t),
+                (2, _) => axpys_g::<2>(a, b, y, t),
+                (3, _) => axpys_g::<3>(a, b, y, t),
+                _ => axpys_g::<4>(a, b, y, t),
             }
         }
     }
@@ -256,17 +257,9 @@ mod x86 {
     /// [`axpys`] for rows of `16 V` floats (the head dimensions 64 and 128): each `b` row read
     /// whole, in order, the `G × V` sums in registers.
     #[target_feature(enable = "avx512f")]
-    #[allow(clippy::too_many_arguments, clippy::needless_range_loop)]
-    unsafe fn axpys_rows<const G: usize, const V: usize>(
-        a: &[f32],
-        b: &[f32],
-        y: &mut [f32],
-        oa: usize,
-        ob: usize,
-        oy: usize,
-        g: Stride,
-        p: Stride,
-    ) {
+    #[allow(clippy::needless_range_loop)]
+    unsafe fn axpys_rows<const G: usize, const V: usize>(a: &[f32], b: &[f32], y: &mut [f32], t: Tile) {
+        let Tile { oa, ob, oy, g, p, .. } = t;
         let mut acc = [[_mm512_setzero_ps(); V]; G];
         for j in 0..p.size {
             let r = &b[ob + j * p.b..][..16 * V];
@@ -290,18 +283,8 @@ mod x86 {
 
     /// [`axpys`] for any width: sixteen output columns at a time.
     #[target_feature(enable = "avx512f")]
-    #[allow(clippy::too_many_arguments)]
-    unsafe fn axpys_g<const G: usize>(
-        a: &[f32],
-        b: &[f32],
-        y: &mut [f32],
-        oa: usize,
-        ob: usize,
-        oy: usize,
-        g: Stride,
-        p: Stride,
-        n: usize,
-    ) {
+    unsafe fn axpys_g<const G: usize>(a: &[f32], b: &[f32], y: &mut [f32], t: Tile) {
+        let Tile { oa, ob, oy, g, p, width: n } = t;
         // sixteen output columns at a time, summed over every position in registers
         for c in (0..n).step_by(16) {
             let mut acc = [_mm512_setzero_ps(); G];
@@ -353,7 +336,7 @@ impl RuntimeMatMul {
                 for_each(&rest, |oa, ob, oy| {
                     // SAFETY: AVX-512F (dots_fit); every row index is within the operands' and
                     // the output's extents, as for the general loops below.
-                    unsafe { x86::dots(a, b, y, oa, ob, oy, ga, pb, k.size) }
+                    unsafe { x86::dots(a, b, y, x86::Tile { oa, ob, oy, g: ga, p: pb, width: k.size }) }
                 });
                 return;
             }
@@ -372,7 +355,7 @@ impl RuntimeMatMul {
                 let ga = outer.remove(g);
                 for_each(&outer, |oa, ob, oy| {
                     // SAFETY: AVX-512F (axpys_fit); indices as for the general loops below.
-                    unsafe { x86::axpys(a, b, y, oa, ob, oy, ga, kp, n.size) }
+                    unsafe { x86::axpys(a, b, y, x86::Tile { oa, ob, oy, g: ga, p: kp, width: n.size }) }
                 });
                 return;
             }
