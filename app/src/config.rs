@@ -276,8 +276,13 @@ settings! {
         /// `HERALD_SYNTHESIS_SEED=` (empty) unsets it.
         seed: Option<u64> = None, Opt("a fresh seed per utterance", Within(SEED)), cli seed, flag "--seed";
         /// Sizes, in frames (one frame = 80 ms of audio), of the chunks the vocoder turns into
-        /// sound; the last size repeats. Small first chunks start the audio sooner; larger later
-        /// chunks cost less. When it is not set anywhere, `herald calibrate`'s schedule for this
+        /// sound; the last size repeats. Small first chunks start the audio sooner; with the
+        /// windowed vocoder larger later chunks cost less (each chunk decodes its left context
+        /// again). The default applies to the windowed vocoder: the stateful vocoder decodes each
+        /// frame once whatever the chunk, so when the ramp is not set it takes chunks of 2 frames
+        /// throughout (`[2]`): the vocoder keeps pace with the decoder instead of waiting for a
+        /// large chunk, and the end of an utterance does not wait for one (docs/performance.md).
+        /// When it is not set anywhere, `herald calibrate`'s schedule for this
         /// board is used if one is stored (`runtime.calibration_dir`). In a variable:
         /// comma-separated, `2,4,8` (brackets allowed).
         ramp: Vec<usize> = vec![2, 4, 8, 16, 25], Ramp, cli ramp;
