@@ -576,12 +576,14 @@ mod tests {
             // scores: q [1, kv, g·s, d] · kc [1, p, kv, d] -> [1, kv, g·s, p]
             ("akgd,apkd->akgp", &[1, 4, 2, 16], &[1, 9, 4, 16], true),
             ("akgd,apkd->akgp", &[1, 4, 14, 16], &[1, 7, 4, 16], true),
-            // the 0.6B talker's shape (16 query heads over 8 KV heads of 128) and an odd one
-            // (AVX-512 tiles of 2 and 3 rows where the CPU has it)
+            // the 0.6B talker's shape (16 query heads over 8 KV heads of 128) and odd ones
+            // (AVX-512 tiles of 2, 3 and 4 rows, widths 128, 64 and others, where the CPU has it)
             ("akgd,apkd->akgp", &[1, 8, 2, 128], &[1, 33, 8, 128], true),
             ("akgd,apkd->akgp", &[1, 2, 3, 32], &[1, 5, 2, 32], true),
             ("akgp,apkd->akgd", &[1, 8, 2, 33], &[1, 33, 8, 128], true),
-            ("akgp,apkd->akgd", &[1, 8, 1, 33], &[1, 33, 8, 64], true),
+            ("akgp,apkd->akgd", &[1, 4, 2, 33], &[1, 33, 4, 64], true),
+            ("akgd,apkd->akgp", &[1, 2, 4, 32], &[1, 5, 2, 32], true),
+            ("akgp,apkd->akgd", &[1, 2, 4, 5], &[1, 5, 2, 48], true),
             ("akgp,apkd->akgd", &[1, 2, 3, 5], &[1, 5, 2, 32], true),
             // weighted sum: p [1, kv, g·s, p] · vc [1, p, kv, d] -> [1, kv, g·s, d]
             ("akgp,apkd->akgd", &[1, 4, 2, 9], &[1, 9, 4, 16], true),
