@@ -105,8 +105,8 @@ impl PanelIm2Col {
         }
     }
 
-    /// [`Self::pack`]'s copies for any panel width `r`, from the panel of column `first_col`
-    /// on (`out` starts there).
+    /// [`Self::pack`]'s copies for any panel width `r`, for the last `out.len() / panel_len`
+    /// panels of the `n.div_ceil(r)` (`out` starts at the first of them).
     fn fill_any(&self, r: usize, x: &[f32], t: usize, n: usize, out: &mut [f32], panel_len: usize) {
         let k = self.k();
         let first_panel = n.div_ceil(r) - out.len() / panel_len;

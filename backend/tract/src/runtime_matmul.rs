@@ -182,9 +182,10 @@ mod x86 {
         std::arch::is_x86_feature_detected!("avx512f")
     }
 
-    /// Whether [`dots`] takes `rows` rows of width `k` on this CPU.
+    /// Whether [`dots`] takes `rows` rows of width `k` on this CPU (a single row has no `b` row
+    /// to share: the general loops take it; axes of size 1 are gone before this point anyway).
     pub(super) fn dots_fit(rows: usize, k: usize) -> bool {
-        (1..=MAX_ROWS).contains(&rows) && k.is_multiple_of(16) && (16..=MAX_WIDTH).contains(&k) && avx512()
+        (2..=MAX_ROWS).contains(&rows) && k.is_multiple_of(16) && (16..=MAX_WIDTH).contains(&k) && avx512()
     }
 
     /// Whether [`axpys`] takes `rows` rows of width `n` on this CPU.
@@ -196,13 +197,12 @@ mod x86 {
     /// the axis `g` and `j` of `p`, `c < k` (the tile's width), of the tile `t`.
     ///
     /// # Safety
-    /// AVX-512F; every index above is in bounds; `1 ≤ g.size ≤ MAX_ROWS`, `k` a multiple of 16
+    /// AVX-512F; every index above is in bounds; `2 ≤ g.size ≤ MAX_ROWS`, `k` a multiple of 16
     /// up to `MAX_WIDTH`.
     pub(super) unsafe fn dots(a: &[f32], b: &[f32], y: &mut [f32], t: Tile) {
         // SAFETY: the caller's contract, with the row count as a constant.
         unsafe {
             match t.g.size {
-                1 => dots_g::<1>(a, b, y, t),
                 2 => dots_g::<2>(a, b, y, t),
                 3 => dots_g::<3>(a, b, y, t),
                 _ => dots_g::<4>(a, b, y, t),
@@ -236,17 +236,14 @@ mod x86 {
     /// the axis `g` and `c < n` (the tile's width), summed over `j` of `p`, of the tile `t`.
     ///
     /// # Safety
-    /// AVX-512F; every index above is in bounds; `1 ≤ g.size ≤ MAX_ROWS`, `n` a multiple of 16
+    /// AVX-512F; every index above is in bounds; `2 ≤ g.size ≤ MAX_ROWS`, `n` a multiple of 16
     /// up to `MAX_WIDTH`.
     pub(super) unsafe fn axpys(a: &[f32], b: &[f32], y: &mut [f32], t: Tile) {
         // SAFETY: the caller's contract, with the row count as a constant.
         unsafe {
             match (t.g.size, t.width) {
-                (1, 128) => axpys_rows::<1, 8>(a, b, y, t),
                 (2, 128) => axpys_rows::<2, 8>(a, b, y, t),
-                (1, 64) => axpys_rows::<1, 4>(a, b, y, t),
                 (2, 64) => axpys_rows::<2, 4>(a, b, y, t),
-                (1, _) => axpys_g::<1>(a, b, y, t),
                 (2, _) => axpys_g::<2>(a, b, y, t),
                 (3, _) => axpys_g::<3>(a, b, y, t),
                 _ => axpys_g::<4>(a, b, y, t),
