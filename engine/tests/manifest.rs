@@ -101,6 +101,8 @@ fn reads_the_quantized_bundles() {
         assert_eq!(m.graph_weights("vocoder_stream"), WeightFormat::Fp32, "{name}");
         let q = m.quantization.as_ref().expect("a [quantization] table");
         assert_eq!(q.format, want.as_str());
+        // q4's gate measured int8 activations (MatMulNBits accuracy_level 4); q8 has none of its own
+        assert_eq!(m.int8_activations(), want == WeightFormat::Q4, "{name}: {:?}", q.activations);
         assert!(q.gate.passed && q.gate.positions >= 500, "{name}: {:?}", q.gate);
         // the exporter counts the bytes of every initializer: a quantized talker is far
         // smaller than its float32 twin
@@ -134,6 +136,19 @@ fn quantized_weights_need_their_quantization_table() {
     let bad = text.replace("block_size = 32", "block_size = 0");
     let e = parse(&bad).unwrap_err().to_string();
     assert!(e.contains("block_size = 0") && e.contains("32"), "{e}");
+    // activations: int8 (as the gate measured them) or float32, and int8 only for q4
+    assert!(text.contains("activations = \"int8\""), "the exporter writes q4's activations");
+    let float = parse(&text.replace("activations = \"int8\"", "activations = \"float32\"")).unwrap();
+    assert!(!float.int8_activations());
+    let absent = parse(&text.replace("activations = \"int8\"\n", "")).unwrap();
+    assert!(!absent.int8_activations(), "bundles written before the key: float32");
+    let e = parse(&text.replace("activations = \"int8\"", "activations = \"int4\"")).unwrap_err().to_string();
+    assert!(e.contains("quantization.activations") && e.contains("int4"), "{e}");
+    let q8 = std::fs::read_to_string(common::bundle("tiny-q-q8").join("bundle.toml")).unwrap();
+    let at = q8.find("float_weights").unwrap();
+    let bad = format!("{}activations = \"int8\"\n{}", &q8[..at], &q8[at..]);
+    let e = parse(&bad).unwrap_err().to_string();
+    assert!(e.contains("quantization.activations") && e.contains("q8"), "{e}");
 }
 
 /// `[[qnn.binaries]]`: step graphs carry slots and positions, the vocoder frames only.

@@ -357,6 +357,12 @@ pub struct Quantization {
     pub block_size: u32,
     /// What stays in float (e.g. the code predictor's stacked heads, norms, the vocoder).
     pub float_weights: Vec<String>,
+    /// q4 only: the activations of the quantized products as the fidelity gate measured them.
+    /// `"int8"`: quantized per block of 32 at run time (`MatMulNBits` `accuracy_level = 4`,
+    /// as GGML's Q4_0 × Q8_0), which lets a backend run them that way (herald's AVX-512 VNNI
+    /// kernel); `"float32"`, or absent (bundles written before the field): float32 only.
+    #[serde(default)]
+    pub activations: Option<String>,
     /// The export's fidelity gate against the float32 graphs.
     pub gate: FidelityGate,
 }
@@ -479,6 +485,12 @@ pub struct Manifest {
 }
 
 impl Manifest {
+    /// Whether the bundle's fidelity gate measured its q4 products with int8 activations
+    /// (`[quantization] activations = "int8"`), so a backend may run them that way.
+    pub fn int8_activations(&self) -> bool {
+        self.quantization.as_ref().is_some_and(|q| q.activations.as_deref() == Some("int8"))
+    }
+
     /// Parse and validate manifest text; `path` is only used in messages.
     ///
     /// # Errors
@@ -612,6 +624,13 @@ impl Manifest {
             let block = if weights == WeightFormat::Q4 { 32 } else { 0 };
             if q.block_size != block {
                 return Err(format!("quantization.block_size = {} must be {block} for {weights}", q.block_size));
+            }
+            match (q.activations.as_deref(), weights) {
+                (None | Some("float32"), _) | (Some("int8"), WeightFormat::Q4) => {}
+                (Some("int8"), _) => {
+                    return Err(format!("quantization.activations = \"int8\" is for q4 bundles (this one is {weights})"));
+                }
+                (Some(other), _) => return Err(format!("quantization.activations {other:?} must be \"float32\" or \"int8\"")),
             }
         }
         let a = &self.audio;

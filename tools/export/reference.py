@@ -416,7 +416,9 @@ def _cache_dtype(manifest: dict, graph: str):
 class Reference:
     """A loaded bundle: onnxruntime sessions, host tables, tokenizer, manifest."""
 
-    def __init__(self, bundle_dir: str | Path, threads: int | None = None):
+    def __init__(self, bundle_dir: str | Path, threads: int | None = None, q4_float_activations: bool = False):
+        """``q4_float_activations``: run q4 ``MatMulNBits`` with ``accuracy_level`` 0 (float32
+        activations) whatever the graph says, to compare with a runtime that computes them so."""
         import onnxruntime as ort
         from safetensors import safe_open
         from tokenizers import Tokenizer
@@ -453,6 +455,16 @@ class Reference:
 
         def session(graph: str):
             path = self.dir / m["graphs"][graph]["file"]
+            if q4_float_activations and m["graphs"][graph].get("weights") == "q4":
+                import onnx
+
+                proto = onnx.load(str(path))
+                for node in proto.graph.node:
+                    if node.op_type == "MatMulNBits":
+                        for a in node.attribute:
+                            if a.name == "accuracy_level":
+                                a.i = 0
+                return ort.InferenceSession(proto.SerializeToString(), opts, providers=["CPUExecutionProvider"])
             return ort.InferenceSession(str(path), opts, providers=["CPUExecutionProvider"])
 
         self._session = session

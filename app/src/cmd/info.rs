@@ -68,6 +68,9 @@ fn print_info(dir: &Path, m: &engine::Manifest) -> std::io::Result<()> {
     if let Some(q) = &m.quantization {
         let g = &q.gate;
         writeln!(o, "quantized   {}: {}; float: {}", q.format, q.scheme, q.float_weights.join(", "))?;
+        if m.int8_activations() {
+            writeln!(o, "activations int8 per block of 32 in the {} products (as the gate measured them)", q.format)?;
+        }
         writeln!(
             o,
             "fidelity    gate {} at export against float32: talker logits SNR {:.1} dB, top-1 {:.1} %; predictor {:.1} dB, {:.1} % ({} teacher-forced positions); free-running greedy codes first differ after {} frames (fewest over {} texts of {} frames)",

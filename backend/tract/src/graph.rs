@@ -93,8 +93,8 @@ fn check_io(path: &Path, kind: &str, got: &[&pb::ValueInfoProto], want: &[Tensor
 /// # Errors
 /// [`GraphError::Load`] for a missing or undecodable file, [`GraphError::Mismatch`] when the
 /// graph's IO differs from `info`, [`GraphError::Runtime`] when tract cannot optimize it.
-pub(crate) fn load(dir: &Path, name: &str, info: &GraphInfo) -> Result<Graph, GraphError> {
-    let mut plans = load_plans(dir, name, info, &[None], false)?;
+pub(crate) fn load(dir: &Path, name: &str, info: &GraphInfo, int8_activations: bool) -> Result<Graph, GraphError> {
+    let mut plans = load_plans(dir, name, info, &[None], false, int8_activations)?;
     plans.pop().ok_or_else(|| GraphError::Unsupported(format!("{name}: no plan")))
 }
 
@@ -103,8 +103,8 @@ pub(crate) fn load(dir: &Path, name: &str, info: &GraphInfo) -> Result<Graph, Gr
 ///
 /// # Errors
 /// As [`load`].
-pub(crate) fn load_predictor(dir: &Path, name: &str, info: &GraphInfo) -> Result<Graph, GraphError> {
-    let mut plans = load_plans(dir, name, info, &[None], true)?;
+pub(crate) fn load_predictor(dir: &Path, name: &str, info: &GraphInfo, int8_activations: bool) -> Result<Graph, GraphError> {
+    let mut plans = load_plans(dir, name, info, &[None], true, int8_activations)?;
     plans.pop().ok_or_else(|| GraphError::Unsupported(format!("{name}: no plan")))
 }
 
@@ -131,6 +131,7 @@ pub(crate) fn load_plans(
     info: &GraphInfo,
     frames: &[Option<usize>],
     split_heads: bool,
+    int8_activations: bool,
 ) -> Result<Vec<Graph>, GraphError> {
     let path = dir.join(&info.file);
     let tract_err = |e: TractError| GraphError::Runtime { path: path.clone(), backend: "tract", message: format!("{e:#}") };
@@ -168,7 +169,7 @@ pub(crate) fn load_plans(
                 }
             );
         }
-        let q4 = crate::q4pack::optimize(&mut model).map_err(tract_err)?;
+        let q4 = crate::q4pack::optimize(&mut model, int8_activations).map_err(tract_err)?;
         let plan = model.into_runnable().map_err(tract_err)?;
         let optimize = t.elapsed().as_secs_f64();
         log::debug!(

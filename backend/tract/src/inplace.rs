@@ -183,7 +183,7 @@ mod tests {
         for (c_in, c_out, k, group) in [(8, 12, 7, 1), (12, 12, 3, 3), (4, 16, 1, 1)] {
             let t = 20;
             let mut ours = conv(c_in, c_out, k, group, t);
-            crate::q4pack::optimize(&mut ours).unwrap();
+            crate::q4pack::optimize(&mut ours, false).unwrap();
             let mut theirs = conv(c_in, c_out, k, group, t);
             theirs.optimize().unwrap();
             let x = Tensor::from_shape(&[1, c_in, t], &values(c_in * t, 9)).unwrap();

@@ -47,6 +47,17 @@ use model::manifest::Manifest;
 pub use cache::set_graph_cache_dir;
 pub use compute::set_compute_threads;
 
+/// Whether this backend, on this CPU and under `HERALD_Q4_KERNEL`, runs the bundle's q4
+/// products with int8 activations per block of 32 (herald's AVX-512 VNNI kernel on a bundle
+/// whose gate measured them, `[quantization] activations = "int8"`), as onnxruntime does with
+/// `accuracy_level = 4`; false means float32 activations (herald's float kernels or tract's),
+/// and always for float and q8 bundles. Tests that compare codes with onnxruntime use it to
+/// run the reference in the same numerics.
+pub fn q4_int8_activations(manifest: &Manifest) -> bool {
+    manifest.weights() == model::dtype::WeightFormat::Q4
+        && q4gemv::Kernel::chosen(manifest.int8_activations()).is_some_and(q4gemv::Kernel::int8)
+}
+
 /// The tract backend. Stateless: every [`Backend::load`] reads and optimizes the graphs anew.
 #[derive(Debug, Clone, Copy, Default)]
 pub struct Tract;
@@ -94,6 +105,7 @@ fn load(dir: &Path, manifest: &Manifest, form: VocoderForm, steps: bool) -> Resu
     // The three graphs are independent: each is read, typed and optimized on its own
     // thread, so a board with more than one core opens the bundle in about the time of the
     // slowest graph rather than the sum (tract's optimizer is single-threaded).
+    let int8 = manifest.int8_activations();
     let (talker, predictor, vocoder_plans) = std::thread::scope(|s| {
         let spawn = |name: &str, graph: &'static str| {
             let (key, info) = if graph == "talker" {
@@ -102,11 +114,11 @@ fn load(dir: &Path, manifest: &Manifest, form: VocoderForm, steps: bool) -> Resu
                 (&manifest.code_predictor.graph, predictor_info)
             };
             let load = if graph == "talker" { graph::load } else { graph::load_predictor };
-            steps.then(|| std::thread::Builder::new().name(name.into()).spawn_scoped(s, move || load(dir, key, info)))
+            steps.then(|| std::thread::Builder::new().name(name.into()).spawn_scoped(s, move || load(dir, key, info, int8)))
         };
         let t = spawn("load-talker", "talker");
         let p = spawn("load-predictor", "code_predictor");
-        let v = graph::load_plans(dir, vocoder_key, vocoder_info, &vocoder_sizes, false);
+        let v = graph::load_plans(dir, vocoder_key, vocoder_info, &vocoder_sizes, false, false);
         type Handle<'s> = std::io::Result<std::thread::ScopedJoinHandle<'s, Result<graph::Graph, BackendError>>>;
         let finish = |h: Option<Handle<'_>>| match h {
             None => Ok(None),

@@ -54,7 +54,7 @@ pub fn profile_vocoder(
     let key =
         manifest.vocoder_graph(form).ok_or_else(|| BackendError::Unsupported(format!("the bundle has no {form} vocoder graph")))?;
     let info = manifest.graphs.get(key).ok_or_else(|| BackendError::Unsupported(format!("bundle.toml has no graph {key:?}")))?;
-    let graph = crate::graph::load_plans(dir, key, info, &[concrete.then_some(frames)], false)?
+    let graph = crate::graph::load_plans(dir, key, info, &[concrete.then_some(frames)], false, false)?
         .pop()
         .ok_or_else(|| BackendError::Unsupported(format!("{key}: no plan")))?;
     let path = dir.join(&info.file);
@@ -163,7 +163,9 @@ pub fn profile_step(
     let info = manifest.graphs.get(key).ok_or_else(|| BackendError::Unsupported(format!("bundle.toml has no graph {key:?}")))?;
     // the code predictor as the engine runs it: its heads split off (their one constant product
     // per sub-step is not in this profile)
-    let graph = if code_predictor { crate::graph::load_predictor(dir, key, info)? } else { crate::graph::load(dir, key, info)? };
+    let int8 = manifest.int8_activations();
+    let graph =
+        if code_predictor { crate::graph::load_predictor(dir, key, info, int8)? } else { crate::graph::load(dir, key, info, int8)? };
     let path = dir.join(&info.file);
     let rt = |e: TractError| BackendError::Runtime { path: path.clone(), backend: "tract", message: format!("{e:#}") };
     let mut inputs: TVec<TValue> = tvec![];

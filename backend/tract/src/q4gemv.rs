@@ -26,9 +26,19 @@
 //! predictor's two-position prefill costs little more than one step); longer inputs (the
 //! talker's prompt prefill) take passes of four rows.
 //!
-//! Activations and accumulation stay f32, as in tract's kernel and onnxruntime's default
-//! `MatMulNBits`: the products differ from theirs by summation order only (the parity test
-//! against onnxruntime keeps checking codes and PCM).
+//! These kernels keep the activations and the accumulation in f32, as tract's kernel and
+//! onnxruntime's `MatMulNBits` with `accuracy_level` 0 do: the products differ from theirs by
+//! summation order only.
+//!
+//! On a bundle whose fidelity gate measured int8 activations (`[quantization] activations =
+//! "int8"`: the exporter writes `accuracy_level = 4`), a CPU with AVX-512 VNNI runs
+//! [`Kernel::Avx512Vnni`] instead: each activation row is quantized per block of 32 to int8
+//! (GGML's Q8_0, [`QGroup`]), the weights kept in [`Layout::BlockDwords`], and per group and
+//! weight row two `vpdpbusd` sum sixteen lanes of four nibble × int8 products in integers, one
+//! FMA scales them by `d_w · d_x`: about a third of the float kernel's instructions per weight
+//! (docs/performance.md). It computes what onnxruntime computes with `accuracy_level = 4`, up
+//! to summation order; the parity test runs onnxruntime in whichever numerics herald picked
+//! ([`crate::q4_int8_activations`]).
 
 use std::sync::Arc;
 
@@ -76,12 +86,39 @@ pub(crate) struct Q4Weights {
     nibbles: Vec<Group>,
     /// `[⌈n / 4⌉ panels][⌈groups / 4⌉ runs][4 rows][16 blocks]`.
     scales: Vec<u16>,
+    /// The order of the bytes within a group ([`Layout`]).
+    layout: Layout,
+}
+
+/// The order of a [`Group`]'s 64 bytes, set by the kernel family that reads them.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Layout {
+    /// For the float32-activation kernels: byte `4l + h` is byte `l` of block `h`, so the
+    /// 32-bit lane `l` holds in its nibble `i` the weight `16 i + l` of the group.
+    Interleaved,
+    /// For the int8-activation kernels: byte `16j + 4h + t` is byte `4j + t` of block `h`, so
+    /// the 32-bit lane `4j + h` holds four consecutive bytes of block `h` (its weights
+    /// `4j .. 4j + 4` in the low nibbles, `16 + 4j .. 16 + 4j + 4` in the high ones): a
+    /// `vpdpbusd` of the lane sums within one block, and the block scales repeat every four
+    /// lanes.
+    BlockDwords,
+}
+
+impl Layout {
+    /// Where byte `l` of block `h` lies in a group.
+    fn position(self, h: usize, l: usize) -> usize {
+        match self {
+            Layout::Interleaved => 4 * l + h,
+            Layout::BlockDwords => 16 * (l / 4) + 4 * h + l % 4,
+        }
+    }
 }
 
 impl Q4Weights {
     /// From GGML Q4_0 blocks (`n` rows of `k / 32` blocks of 18 bytes, rows one after the
-    /// other), or `None` when `k` is not a positive multiple of 32 or the length does not match.
-    pub(crate) fn from_q4_0(blocks: &[u8], n: usize, k: usize) -> Option<Q4Weights> {
+    /// other) in `layout`, or `None` when `k` is not a positive multiple of 32 or the length
+    /// does not match.
+    pub(crate) fn from_q4_0(blocks: &[u8], n: usize, k: usize, layout: Layout) -> Option<Q4Weights> {
         if n == 0 || k == 0 || !k.is_multiple_of(BLOCK_LEN) || blocks.len() != n * k / BLOCK_LEN * BLOCK_BYTES {
             return None;
         }
@@ -95,10 +132,10 @@ impl Q4Weights {
             scales[((p * runs + c / 16) * 4 + i) * 16 + c % 16] = u16::from_le_bytes([block[0], block[1]]);
             let (group, h) = (&mut nibbles[(p * groups + c / 4) * 4 + i], c % 4);
             for (l, &byte) in block[2..].iter().enumerate() {
-                group.0[4 * l + h] = byte;
+                group.0[layout.position(h, l)] = byte;
             }
         }
-        Some(Q4Weights { n, k, groups, nibbles, scales })
+        Some(Q4Weights { n, k, groups, nibbles, scales, layout })
     }
 
     /// Bytes held: the nibbles and the f16 scales (0.5625 bytes per weight without padding).
@@ -132,19 +169,23 @@ impl Q4Weights {
     }
 }
 
-/// Which kernel a product runs on: the widest the CPU has.
+/// Which kernel a product runs on, and with it the numerics of the activations.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(crate) enum Kernel {
-    /// Plain Rust, any CPU.
+    /// Plain Rust, any CPU; float32 activations.
     Portable,
-    /// AVX2 + FMA + F16C (x86-64).
+    /// AVX2 + FMA + F16C (x86-64); float32 activations.
     Avx2,
-    /// AVX-512F (x86-64).
+    /// AVX-512F (x86-64); float32 activations.
     Avx512,
+    /// Plain Rust, any CPU; int8 activations ([`QGroup`]): the reference of [`Kernel::Avx512Vnni`].
+    PortableInt8,
+    /// AVX-512F + BW + VNNI (x86-64); int8 activations ([`QGroup`]), `vpdpbusd` products.
+    Avx512Vnni,
 }
 
 impl Kernel {
-    /// The widest kernel this CPU runs.
+    /// The widest float32-activation kernel this CPU runs.
     pub(crate) fn detect() -> Kernel {
         #[cfg(target_arch = "x86_64")]
         {
@@ -165,27 +206,73 @@ impl Kernel {
         Kernel::Portable
     }
 
+    /// The int8-activation kernel this CPU runs, `None` without AVX-512 VNNI.
+    pub(crate) fn detect_int8() -> Option<Kernel> {
+        #[cfg(target_arch = "x86_64")]
+        {
+            if Kernel::detect() == Kernel::Avx512
+                && std::arch::is_x86_feature_detected!("avx512bw")
+                && std::arch::is_x86_feature_detected!("avx512vnni")
+            {
+                return Some(Kernel::Avx512Vnni);
+            }
+        }
+        None
+    }
+
+    /// Whether the kernel quantizes the activations to int8 (per block of 32, [`QGroup`]).
+    pub(crate) fn int8(self) -> bool {
+        matches!(self, Kernel::PortableInt8 | Kernel::Avx512Vnni)
+    }
+
+    /// The byte order of the weights this kernel reads.
+    fn layout(self) -> Layout {
+        if self.int8() { Layout::BlockDwords } else { Layout::Interleaved }
+    }
+
     /// The kernel the optimizer puts in place of tract's Q4_0 products, or `None` to keep
-    /// tract's, from the environment variable `HERALD_Q4_KERNEL`:
+    /// tract's. `int8_activations`: the bundle's fidelity gate measured its q4 products with
+    /// int8 activations (`[quantization] activations = "int8"`, docs/bundle.md), so they may
+    /// run that way. From the environment variable `HERALD_Q4_KERNEL`:
     ///
-    /// - unset or empty: herald's AVX-512 kernel where the CPU has AVX-512 (measured faster
-    ///   than tract's end to end, docs/performance.md), tract's kernels elsewhere (aarch64
-    ///   today, and x86 without AVX-512, where herald's AVX2 kernel was not measured against
-    ///   tract's);
-    /// - `herald`: herald's widest kernel for this CPU ([`Kernel::detect`]), tract's on a CPU
-    ///   without AVX2;
-    /// - `tract`: tract's kernels; `portable`: herald's plain loop (for tests and comparisons).
+    /// - unset or empty: where the CPU has AVX-512, herald's AVX-512 VNNI kernel when
+    ///   `int8_activations` and the CPU has VNNI, else herald's float32 AVX-512 kernel (both
+    ///   measured faster than tract's end to end, docs/performance.md); tract's kernels
+    ///   elsewhere (aarch64 today, and x86 without AVX-512, where herald's AVX2 kernel was not
+    ///   measured against tract's);
+    /// - `herald`: herald's widest float32 kernel for this CPU ([`Kernel::detect`]), tract's on
+    ///   a CPU without AVX2;
+    /// - `vnni`: the AVX-512 VNNI kernel whatever the bundle says (for comparisons; a warning
+    ///   when the bundle's gate did not measure int8 activations), the default without VNNI;
+    /// - `tract`: tract's kernels; `portable`, `portable-int8`: herald's plain loops (for tests
+    ///   and comparisons).
     ///
     /// Any other value is ignored with a warning (the default applies).
-    pub(crate) fn chosen() -> Option<Kernel> {
-        let default = || Some(Kernel::detect()).filter(|k| *k == Kernel::Avx512);
+    pub(crate) fn chosen(int8_activations: bool) -> Option<Kernel> {
+        let default = || match Kernel::detect() {
+            Kernel::Avx512 => Some(Kernel::detect_int8().filter(|_| int8_activations).unwrap_or(Kernel::Avx512)),
+            _ => None,
+        };
         match std::env::var("HERALD_Q4_KERNEL").ok().as_deref() {
             None | Some("") => default(),
             Some("tract") => None,
             Some("portable") => Some(Kernel::Portable),
+            Some("portable-int8") => Some(Kernel::PortableInt8),
             Some("herald") => Some(Kernel::detect()).filter(|k| *k != Kernel::Portable),
+            Some("vnni") => match Kernel::detect_int8() {
+                Some(k) => {
+                    if !int8_activations {
+                        log::warn!("HERALD_Q4_KERNEL=vnni: int8 activations on a bundle whose fidelity gate measured float32 ones");
+                    }
+                    Some(k)
+                }
+                None => {
+                    log::warn!("HERALD_Q4_KERNEL=vnni: this CPU has no AVX-512 VNNI: using the default");
+                    default()
+                }
+            },
             Some(other) => {
-                log::warn!("HERALD_Q4_KERNEL={other:?} is not one of tract, herald, portable: using the default");
+                log::warn!("HERALD_Q4_KERNEL={other:?} is not one of tract, herald, vnni, portable, portable-int8: using the default");
                 default()
             }
         }
@@ -206,7 +293,101 @@ impl Kernel {
             #[cfg(target_arch = "x86_64")]
             // SAFETY: as above, AVX2, FMA and F16C.
             Kernel::Avx2 => unsafe { x86::gemm_avx2::<M>(w, x, y, y_stride) },
+            Kernel::PortableInt8 | Kernel::Avx512Vnni => unreachable!("{self:?} takes int8 activations (gemm_int8)"),
             _ => gemm_portable::<M>(w, x, y, y_stride),
+        }
+    }
+
+    /// As [`Kernel::gemm`] with the `M` activation rows quantized ([`quantize_row`]): row `m`
+    /// is `xq[m * w.groups..][..w.groups]`.
+    fn gemm_int8<const M: usize>(self, w: &Q4Weights, xq: &[QGroup], y: &mut [f32], y_stride: usize) {
+        assert!((1..=MAX_X_ROWS).contains(&M) && xq.len() >= M * w.groups && w.layout == Layout::BlockDwords);
+        assert!(y_stride >= w.n && y.len() >= (M - 1) * y_stride + w.n);
+        match self {
+            #[cfg(target_arch = "x86_64")]
+            // SAFETY: `detect_int8` found AVX-512F, BW, VNNI, AVX2, FMA and F16C on this CPU
+            // (the only way to get this variant outside the tests, which check the features
+            // themselves); the asserts above bound every read of xq and write of y.
+            Kernel::Avx512Vnni => unsafe { x86::gemm_vnni::<M>(w, xq, y, y_stride) },
+            k if k.int8() => gemm_portable_int8::<M>(w, xq, y, y_stride),
+            _ => unreachable!("{self:?} takes float32 activations (gemm)"),
+        }
+    }
+}
+
+/// One group (128 values, four blocks of 32) of an activation row quantized to int8 per block
+/// of 32, as GGML's Q8_0 and onnxruntime's `MatMulNBits` with `accuracy_level = 4` do: per
+/// block `d = max |x| / 127`, `q = round_half_even(x / d)` (computed as `x · (1 / d)`, 0 when
+/// `d` is 0), in the order of [`Layout::BlockDwords`] so that one `vpdpbusd` pairs each lane
+/// of weights with its activations. 256 bytes, 64-byte aligned.
+#[derive(Clone, Copy, Debug)]
+#[repr(C, align(64))]
+pub(crate) struct QGroup {
+    /// Byte `16j + 4h + t`: `q` of value `4j + t` of block `h` (the low nibbles' partners).
+    lo: [i8; 64],
+    /// Byte `16j + 4h + t`: `q` of value `16 + 4j + t` of block `h` (the high nibbles').
+    hi: [i8; 64],
+    /// Lane `4j + h`: `−8 ·` the sum of the lane's eight `q` (the weights' offset of 8,
+    /// `Σ (w − 8) q = Σ w q − 8 Σ q`, started from here).
+    corr: [i32; 16],
+    /// Lane `4j + h`: block `h`'s scale `d`.
+    d: [f32; 16],
+}
+
+impl QGroup {
+    const ZERO: QGroup = QGroup { lo: [0; 64], hi: [0; 64], corr: [0; 16], d: [0.0; 16] };
+}
+
+/// Quantizes one activation row `x` (`k` values, zero past `k` up to `out.len()` groups of 128)
+/// into `out` ([`QGroup`]).
+fn quantize_row(x: &[f32], out: &mut [QGroup]) {
+    for (g, qg) in out.iter_mut().enumerate() {
+        *qg = QGroup::ZERO;
+        for h in 0..4 {
+            let start = (g * 4 + h) * BLOCK_LEN;
+            let xb: [f32; BLOCK_LEN] = std::array::from_fn(|i| x.get(start + i).copied().unwrap_or(0.0));
+            let amax = xb.iter().fold(0f32, |a, v| a.max(v.abs()));
+            let d = amax / 127.0;
+            let inv = if d != 0.0 { 1.0 / d } else { 0.0 };
+            // NaN (a NaN activation) casts to 0; |x · inv| ≤ 127 up to rounding
+            let q: [i8; BLOCK_LEN] = std::array::from_fn(|i| (xb[i] * inv).round_ties_even().clamp(-127.0, 127.0) as i8);
+            for j in 0..4 {
+                let mut sum = 0i32;
+                for t in 0..4 {
+                    let (lo, hi) = (q[4 * j + t], q[16 + 4 * j + t]);
+                    qg.lo[16 * j + 4 * h + t] = lo;
+                    qg.hi[16 * j + 4 * h + t] = hi;
+                    sum += i32::from(lo) + i32::from(hi);
+                }
+                qg.corr[4 * j + h] = -8 * sum;
+                qg.d[4 * j + h] = d;
+            }
+        }
+    }
+}
+
+/// The reference of the int8 kernels: per block the exact integer `Σ (w − 8) q`, times
+/// `d_w · d_x`, summed over the blocks in order.
+fn gemm_portable_int8<const M: usize>(w: &Q4Weights, xq: &[QGroup], y: &mut [f32], y_stride: usize) {
+    for r in 0..w.n {
+        let (groups, sc) = (w.panel_groups(r / 4), w.panel_scales(r / 4));
+        for m in 0..M {
+            let xs = &xq[m * w.groups..][..w.groups];
+            let mut acc = 0f32;
+            for (g, qg) in xs.iter().enumerate() {
+                let group = &groups[g * 4 + r % 4];
+                for h in 0..4 {
+                    let mut t = 0i32;
+                    for l in 0..16 {
+                        let byte = group.0[w.layout.position(h, l)];
+                        let (lo, hi) = (qg.lo[16 * (l / 4) + 4 * h + l % 4], qg.hi[16 * (l / 4) + 4 * h + l % 4]);
+                        t += (i32::from(byte & 0x0F) - 8) * i32::from(lo) + (i32::from(byte >> 4) - 8) * i32::from(hi);
+                    }
+                    let d = half::f16::from_bits(sc[((g / 4) * 4 + r % 4) * 16 + (g % 4) * 4 + h]).to_f32();
+                    acc += t as f32 * (d * qg.d[h]);
+                }
+            }
+            y[m * y_stride + r] = acc;
         }
     }
 }
@@ -225,7 +406,7 @@ fn gemm_portable<const M: usize>(w: &Q4Weights, x: &[f32], y: &mut [f32], y_stri
                     let xb = &xs[g * GROUP_LEN + h * BLOCK_LEN..][..BLOCK_LEN];
                     let mut t = 0f32;
                     for l in 0..16 {
-                        let byte = group.0[4 * l + h];
+                        let byte = group.0[w.layout.position(h, l)];
                         t += ((byte & 0x0F) as f32 - 8.0) * xb[l] + ((byte >> 4) as f32 - 8.0) * xb[l + 16];
                     }
                     let d = sc[((g / 4) * 4 + r % 4) * 16 + (g % 4) * 4 + h];
@@ -448,6 +629,70 @@ mod x86 {
         }
     }
 
+    /// The int8-activation kernel ([`super::QGroup`], weights in
+    /// [`super::Layout::BlockDwords`]): per group and weight row one 64-byte load, the low and
+    /// high nibbles masked out (`vpandd`, `vpsrlw` + `vpandd`), two `vpdpbusd` per activation
+    /// row (unsigned nibbles times signed `q`, started from the row's `−8 Σ q`), and one FMA of
+    /// the lanes' integer sums by `d_w · d_x` (the four block scales repeat every four lanes).
+    ///
+    /// # Safety
+    /// AVX-512F, BW, VNNI, AVX2, FMA and F16C; `xq` holds `M` rows of `w.groups` groups, `y`
+    /// `M` rows of `y_stride ≥ w.n`.
+    #[target_feature(enable = "avx512f,avx512bw,avx512vnni,avx2,f16c,fma")]
+    pub(super) unsafe fn gemm_vnni<const M: usize>(w: &Q4Weights, xq: &[super::QGroup], y: &mut [f32], y_stride: usize) {
+        let groups = w.groups;
+        let xp = xq.as_ptr();
+        let nibble = _mm512_set1_epi8(0x0F);
+        for p in 0..w.panels() {
+            let (nib, sc) = (w.panel_groups(p).as_ptr(), w.panel_scales(p).as_ptr());
+            let mut acc = [[_mm512_setzero_ps(); M]; 4];
+            let mut d = [[0f32; 16]; 4];
+            for run in 0..w.runs() {
+                for (i, di) in d.iter_mut().enumerate() {
+                    // SAFETY: a run holds 4 rows × 16 scales.
+                    unsafe { scales_f32(sc.add((run * 4 + i) * 16), di) };
+                }
+                let g0 = run * 4;
+                for j in 0..(groups - g0).min(4) {
+                    let g = g0 + j;
+                    // SAFETY: group g < groups of the panel (4 rows each), its scales in d; the
+                    // rows of xq hold `groups` groups each.
+                    unsafe {
+                        let at = nib.add(4 * g);
+                        // a hint only: prefetching past the end of the panel is harmless
+                        let ahead = at.cast::<i8>().wrapping_add(PREFETCH);
+                        for line in 0..4 {
+                            _mm_prefetch::<_MM_HINT_T0>(ahead.wrapping_add(64 * line));
+                        }
+                        let xg: [*const super::QGroup; M] = std::array::from_fn(|m| xp.add(m * groups + g));
+                        for (i, (acc, di)) in acc.iter_mut().zip(&d).enumerate() {
+                            let v = _mm512_load_si512(at.add(i).cast());
+                            let lo = _mm512_and_si512(v, nibble);
+                            let hi = _mm512_and_si512(_mm512_srli_epi16::<4>(v), nibble);
+                            let dw = _mm512_broadcast_f32x4(_mm_loadu_ps(di.as_ptr().add(4 * j)));
+                            for (a, &x) in acc.iter_mut().zip(&xg) {
+                                let q = std::ptr::addr_of!((*x).corr).cast::<__m512i>();
+                                let s = _mm512_dpbusd_epi32(
+                                    _mm512_load_si512(q),
+                                    lo,
+                                    _mm512_load_si512(std::ptr::addr_of!((*x).lo).cast()),
+                                );
+                                let s = _mm512_dpbusd_epi32(s, hi, _mm512_load_si512(std::ptr::addr_of!((*x).hi).cast()));
+                                let dx = _mm512_load_ps(std::ptr::addr_of!((*x).d).cast());
+                                *a = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), _mm512_mul_ps(dw, dx), *a);
+                            }
+                        }
+                    }
+                }
+            }
+            for (i, a) in acc.iter().enumerate().take(w.n - 4 * p) {
+                for (m, v) in a.iter().enumerate() {
+                    y[m * y_stride + 4 * p + i] = _mm512_reduce_add_ps(*v);
+                }
+            }
+        }
+    }
+
     /// The sum of the eight lanes.
     #[target_feature(enable = "avx2")]
     fn hsum256(v: __m256) -> f32 {
@@ -480,10 +725,35 @@ impl Eq for Q4MatMul {}
 impl Q4MatMul {
     /// `y = x · Wᵀ` for f32 `x` of `rows × k` (row-major) into `y` of `rows × n`: passes of up
     /// to [`MAX_X_ROWS`] activation rows over the weights. When `k` is not a multiple of 128
-    /// (tiny bundles only) each pass copies its rows into a zero-padded buffer.
+    /// (tiny bundles only) each pass copies its rows into a zero-padded buffer. An int8 kernel
+    /// quantizes each pass's rows ([`quantize_row`]) into a buffer of the calling thread, kept
+    /// between calls (a decode step allocates nothing once warm).
     fn product(&self, x: &[f32], y: &mut [f32]) {
         let w = &*self.weights;
         let (n, k, kp) = (w.n, w.k, w.padded_k());
+        if self.kernel.int8() {
+            thread_local! {
+                static QUANTIZED: std::cell::RefCell<Vec<QGroup>> = const { std::cell::RefCell::new(Vec::new()) };
+            }
+            QUANTIZED.with_borrow_mut(|xq| {
+                for (xs, ys) in x.chunks(MAX_X_ROWS * k).zip(y.chunks_mut(MAX_X_ROWS * n)) {
+                    let m = xs.len() / k;
+                    if xq.len() < m * w.groups {
+                        xq.resize(m * w.groups, QGroup::ZERO);
+                    }
+                    for (row, out) in xs.chunks_exact(k).zip(xq.chunks_exact_mut(w.groups)) {
+                        quantize_row(row, out);
+                    }
+                    match m {
+                        1 => self.kernel.gemm_int8::<1>(w, xq, ys, n),
+                        2 => self.kernel.gemm_int8::<2>(w, xq, ys, n),
+                        3 => self.kernel.gemm_int8::<3>(w, xq, ys, n),
+                        _ => self.kernel.gemm_int8::<4>(w, xq, ys, n),
+                    }
+                }
+            });
+            return;
+        }
         let mut padded = Vec::new();
         for (xs, ys) in x.chunks(MAX_X_ROWS * k).zip(y.chunks_mut(MAX_X_ROWS * n)) {
             let m = xs.len() / k;
@@ -597,7 +867,7 @@ impl TypedPass for UseQ4MatMul {
 
     fn next(&mut self, _session: &mut OptimizerSession, model: &TypedModel) -> TractResult<Option<TypedModelPatch>> {
         for node in &model.nodes {
-            let Some(Matched { weights, shape }) = q4_product(model, node)? else { continue };
+            let Some(Matched { weights, shape }) = q4_product(model, node, self.kernel.layout())? else { continue };
             let mut patch = TypedModelPatch::default();
             let x = patch.tap_model(model, node.inputs[0])?;
             let op = Q4MatMul { weights: Arc::new(weights), kernel: self.kernel, shape };
@@ -637,7 +907,7 @@ struct ProductShape {
 /// through `x` and the output at the same leading position. (Decluttering folds reshapes into
 /// the weight, e.g. `[hidden, heads, head_dim]` for the attention output projection; the
 /// blocks still run along the flattened rows.) Returns the weight in herald's layout.
-fn q4_product(model: &TypedModel, node: &TypedNode) -> TractResult<Option<Matched>> {
+fn q4_product(model: &TypedModel, node: &TypedNode, layout: Layout) -> TractResult<Option<Matched>> {
     let Some(einsum) = crate::runtime_matmul::binary_f32_einsum(node) else { return Ok(None) };
     let x_fact = model.outlet_fact(node.inputs[0])?;
     let w_fact = model.outlet_fact(node.inputs[1])?;
@@ -702,7 +972,7 @@ fn q4_product(model: &TypedModel, node: &TypedNode) -> TractResult<Option<Matche
     let n_shape: TVec<usize> = n_axes.iter().map(|&(a, _)| w.shape()[a]).collect();
     let k: usize = k_axes.iter().map(|&(a, _)| w.shape()[a]).product();
     let n: usize = n_shape.iter().product();
-    let Some(weights) = Q4Weights::from_q4_0(storage.value(), n, k) else {
+    let Some(weights) = Q4Weights::from_q4_0(storage.value(), n, k, layout) else {
         return not_covered("k not a multiple of 32 or storage of another size");
     };
     Ok(Some(Matched { weights, shape: ProductShape { x_perm, k_rank: kc, y_lead, n_shape } }))
@@ -747,7 +1017,7 @@ mod tests {
     }
 
     fn kernels() -> Vec<Kernel> {
-        let mut v = vec![Kernel::Portable];
+        let mut v = vec![Kernel::Portable, Kernel::PortableInt8];
         #[cfg(target_arch = "x86_64")]
         {
             if std::arch::is_x86_feature_detected!("avx2")
@@ -759,40 +1029,64 @@ mod tests {
             if Kernel::detect() == Kernel::Avx512 {
                 v.push(Kernel::Avx512);
             }
+            v.extend(Kernel::detect_int8());
         }
         v
+    }
+
+    /// Q8_0 of `x` (rows of `k`) as GGML defines it, written out here independently of
+    /// [`quantize_row`]: per block of 32, `d = max |x| / 127` and `q = round_half_even(x / d)`;
+    /// returns `q · d` per value (what an int8 kernel multiplies the weights by).
+    fn q8_0(x: &[f32]) -> Vec<f32> {
+        let mut out = Vec::with_capacity(x.len());
+        for b in x.chunks(32) {
+            let d = b.iter().fold(0f32, |a, v| a.max(v.abs())) / 127.0;
+            out.extend(b.iter().map(|v| if d == 0.0 { 0.0 } else { (v * (1.0 / d)).round_ties_even() * d }));
+        }
+        out
     }
 
     /// Every kernel, one row and several, against tract's own dequantization: within float32
     /// rounding of the sum (relative to the sum of absolute terms), for weight-row counts that
     /// leave partial groups of four rows, block counts that leave partial groups of four blocks
     /// (a padded last group) and of sixteen (a partial run of scales), and activation-row counts
-    /// of every pass width (1–4) and of several passes (5, 17).
+    /// of every pass width (1–4) and of several passes (5, 17). The int8 kernels are held to
+    /// the same bound against the product of the weights with Q8_0 of x ([`q8_0`]); that
+    /// product itself stays within 1 % of Σ |w x| of the float one (the Q8_0 rounding,
+    /// at most d/2 per value).
     #[test]
     fn every_kernel_matches_tracts_dequantization() {
         for &(n, k) in &[(1usize, 32usize), (5, 64), (37, 544), (64, 1024), (19, 3072)] {
             let bytes = blocks(n, k, (n * 31 + k) as u64);
-            let w = Q4Weights::from_q4_0(&bytes, n, k).unwrap();
-            // whole groups of 64 nibble bytes and four scales per row
-            assert_eq!(w.bytes(), n.div_ceil(4) * 4 * (k.div_ceil(128) * 64 + k.div_ceil(512) * 32));
-            if k % 512 == 0 && n % 4 == 0 {
-                assert_eq!(w.bytes(), bytes.len(), "no padding when k is a multiple of 512 and n of 4");
+            for layout in [Layout::Interleaved, Layout::BlockDwords] {
+                let w = Q4Weights::from_q4_0(&bytes, n, k, layout).unwrap();
+                // whole groups of 64 nibble bytes and four scales per row
+                assert_eq!(w.bytes(), n.div_ceil(4) * 4 * (k.div_ceil(128) * 64 + k.div_ceil(512) * 32));
+                if k % 512 == 0 && n % 4 == 0 {
+                    assert_eq!(w.bytes(), bytes.len(), "no padding when k is a multiple of 512 and n of 4");
+                }
             }
             for rows in [1usize, 2, 3, 4, 5, 17] {
                 let x = floats(rows * k, (rows * 7 + k) as u64);
+                let xq = q8_0(&x);
                 let want = reference(&bytes, n, k, &x);
+                let want_q8 = reference(&bytes, n, k, &xq);
                 // the scale of the rounding error: Σ |w x| ≤ 8 · 0.1 · Σ |x| per row
-                let bound: Vec<f64> = x.chunks(k).map(|r| r.iter().map(|v| v.abs() as f64).sum::<f64>() * 0.8 * 1e-5 + 1e-6).collect();
+                let abs: Vec<f64> = x.chunks(k).map(|r| r.iter().map(|v| v.abs() as f64).sum::<f64>() * 0.8).collect();
+                for (i, (a, b)) in want_q8.iter().zip(&want).enumerate() {
+                    assert!((a - b).abs() <= 0.01 * abs[i / n], "Q8_0 of x moves [{i}] from {b} to {a}");
+                }
                 for kernel in kernels() {
                     let op = Q4MatMul {
-                        weights: Arc::new(Q4Weights::from_q4_0(&bytes, n, k).unwrap()),
+                        weights: Arc::new(Q4Weights::from_q4_0(&bytes, n, k, kernel.layout()).unwrap()),
                         kernel,
                         shape: ProductShape { x_perm: tvec![0, 1], k_rank: 1, y_lead: tvec![Some(0)], n_shape: tvec![n] },
                     };
                     let mut y = vec![f32::NAN; rows * n];
                     op.product(&x, &mut y);
-                    for (i, (a, b)) in y.iter().zip(&want).enumerate() {
-                        let tol = bound[i / n];
+                    let want = if kernel.int8() { &want_q8 } else { &want };
+                    for (i, (a, b)) in y.iter().zip(want).enumerate() {
+                        let tol = abs[i / n] * 1e-5 + 1e-6;
                         assert!((*a as f64 - b).abs() <= tol, "{kernel:?} n={n} k={k} rows={rows} [{i}]: {a} vs {b} (tol {tol})");
                     }
                 }
@@ -800,11 +1094,57 @@ mod tests {
         }
     }
 
+    /// [`quantize_row`] against the definition: every value's `q` and its block's `d` where
+    /// [`Layout::BlockDwords`] puts them, the lanes' `−8 Σ q`, zeros past `k`; a block of zeros
+    /// has `d = 0`, a half rounds to even, the extremes are ±127.
+    #[test]
+    #[allow(clippy::needless_range_loop)] // g, h, l, j index the layout's positions together
+    fn quantizes_as_q8_0() {
+        let k = 160; // one whole group and a padded one
+        let mut x = floats(k, 3);
+        x[32..64].fill(0.0); // block 1: zeros
+        // block 2: max 127 so d = 1; 2.5 rounds to 2, -3.5 to -4
+        x[64] = 127.0;
+        x[65] = 2.5;
+        x[66] = -3.5;
+        let mut out = vec![QGroup::ZERO; 2];
+        quantize_row(&x, &mut out);
+        for g in 0..2 {
+            for h in 0..4 {
+                let start = (g * 4 + h) * 32;
+                let block: Vec<f32> = (0..32).map(|i| x.get(start + i).copied().unwrap_or(0.0)).collect();
+                let d = block.iter().fold(0f32, |a, v| a.max(v.abs())) / 127.0;
+                for l in 0..32 {
+                    let want = if d == 0.0 { 0 } else { (block[l] / d).round_ties_even() as i8 };
+                    let at = 16 * ((l % 16) / 4) + 4 * h + l % 4;
+                    let got = if l < 16 { out[g].lo[at] } else { out[g].hi[at] };
+                    assert!((i32::from(got) - i32::from(want)).abs() <= 1, "group {g} block {h} value {l}: {got} vs {want}");
+                    if d == 0.0 || (block[l] / d).fract().abs() != 0.5 {
+                        // away from ties x · (1/d) and x / d round alike here
+                        assert_eq!(got, want, "group {g} block {h} value {l}");
+                    }
+                }
+                for j in 0..4 {
+                    assert_eq!(out[g].d[4 * j + h], d);
+                    let lane: i32 =
+                        (0..4).map(|t| i32::from(out[g].lo[16 * j + 4 * h + t]) + i32::from(out[g].hi[16 * j + 4 * h + t])).sum();
+                    assert_eq!(out[g].corr[4 * j + h], -8 * lane);
+                }
+            }
+        }
+        assert_eq!(out[0].d[1], 0.0, "a block of zeros");
+        // values 0, 1, 2 of block 2 at bytes 8, 9, 10 (j = 0, h = 2)
+        assert_eq!((out[0].lo[8], out[0].lo[9], out[0].lo[10], out[0].d[2]), (127, 2, -4, 1.0), "127, 2.5 and -3.5 with d = 1");
+        assert!(out[1].d[1..4].iter().all(|&d| d == 0.0), "the padding past k");
+    }
+
     #[test]
     fn rejects_what_it_does_not_cover() {
-        assert!(Q4Weights::from_q4_0(&[0; 18], 1, 48).is_none(), "k not a multiple of 32");
-        assert!(Q4Weights::from_q4_0(&[0; 17], 1, 32).is_none(), "partial block");
-        assert!(Q4Weights::from_q4_0(&[], 0, 32).is_none(), "no rows");
+        for layout in [Layout::Interleaved, Layout::BlockDwords] {
+            assert!(Q4Weights::from_q4_0(&[0; 18], 1, 48, layout).is_none(), "k not a multiple of 32");
+            assert!(Q4Weights::from_q4_0(&[0; 17], 1, 32, layout).is_none(), "partial block");
+            assert!(Q4Weights::from_q4_0(&[], 0, 32, layout).is_none(), "no rows");
+        }
     }
 
     /// In a whole optimize, every Q4_0 einsum becomes a [`Q4MatMul`], and the plan computes

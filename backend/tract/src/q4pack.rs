@@ -44,15 +44,15 @@ pub(crate) struct Q4Products {
 /// [`crate::inplace::FoldReshapeInPlace`] first, so that reshapes of constant weights take
 /// no copy, then [`crate::runtime_matmul::UseRuntimeMatMul`] for the attention's products of two
 /// run-time operands (every graph, every dtype), then [`crate::q4gemv::UseQ4MatMul`] on the kernel [`crate::q4gemv::Kernel::chosen`]
-/// picks (when it picks one), so that Q4_0 products run on herald's kernels, and [`PackQ4_0`],
+/// picks for `int8_activations` (the bundle's `[quantization] activations = "int8"`; when it picks one), so that Q4_0 products run on herald's kernels, and [`PackQ4_0`],
 /// so that the Q4_0 weights left to tract are packed by [`pack_q4_0`]; after tract's passes,
 /// [`crate::im2col::UsePanelIm2Col`], so that the vocoder's convolutions are laid out for their
 /// products a panel row at a time.
 ///
 /// # Errors
 /// Whatever tract's optimizer returns.
-pub(crate) fn optimize(model: &mut TypedModel) -> TractResult<Q4Products> {
-    optimize_with(model, crate::q4gemv::Kernel::chosen())
+pub(crate) fn optimize(model: &mut TypedModel, int8_activations: bool) -> TractResult<Q4Products> {
+    optimize_with(model, crate::q4gemv::Kernel::chosen(int8_activations))
 }
 
 /// [`optimize`] with herald's Q4_0 products on `kernel`, or left to tract when `None`.

@@ -25,7 +25,9 @@ def main() -> None:
     out.mkdir(parents=True, exist_ok=True)
     refs: dict[str, Reference] = {}
     for c in cases:
-        ref = refs.setdefault(c["bundle"], Reference(c["bundle"], threads=1))
+        float_acts = bool(c.get("q4_float_activations"))
+        key = f"{c['bundle']}|{float_acts}"
+        ref = refs.setdefault(key, Reference(c["bundle"], threads=1, q4_float_activations=float_acts))
         try:
             gen = ref.generate(c["text"], language=c.get("language") or "auto", speaker=c.get("speaker"),
                                mode=c.get("mode", "streaming"), greedy=c.get("seed") is None, seed=c.get("seed"),

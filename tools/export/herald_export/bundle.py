@@ -53,9 +53,13 @@ DTYPES = {"fp32": np.float32, "fp16": np.float16, "q8": np.float32, "q4": np.flo
 QUANT_DTYPES = ("q8", "q4")
 #: ``[quantization] scheme`` and ``block_size`` per format.
 QUANT_SCHEMES = {
-    "q4": ("MatMulNBits (com.microsoft) bits=4 block_size=32 symmetric (no zero points), float16-exact float32 scales", 32),
+    "q4": ("MatMulNBits (com.microsoft) bits=4 block_size=32 symmetric (no zero points), float16-exact float32 scales, accuracy_level=4 (int8 activations per block of 32)", 32),
     "q8": ("int8 per output channel symmetric weights, int8 per-tensor symmetric dynamic activations (absmax/127, no zero points), MatMulInteger int8 x int8", 0),
 }
+#: ``[quantization] activations`` per format: q4 products take int8 activations per block of 32
+#: (``MatMulNBits`` ``accuracy_level = 4``, what the gate measured); q8 has its own per-tensor
+#: activation quantization in the graph, so the key is left out.
+QUANT_ACTIVATIONS = {"q4": {"activations": "int8"}, "q8": {}}
 #: What stays float in a quantized bundle (``[quantization] float_weights``).
 FLOAT_WEIGHTS = ["code_predictor lm_heads", "norms", "embeddings (host tables)", "vocoder"]
 #: Default chunk ramp and left context of windowed vocoding (DESIGN.md §5).
@@ -350,7 +354,7 @@ def export(checkpoint: Path, out: Path, dtype: str = "fp32", quiet: bool = False
             gate = _run_gate(spec, tmp, quant, bar_opts)
             scheme, block = QUANT_SCHEMES[quant]
             manifest["quantization"] = {"format": quant, "scheme": scheme, "block_size": block,
-                                        "float_weights": FLOAT_WEIGHTS, "gate": gate.table()}
+                                        "float_weights": FLOAT_WEIGHTS, **QUANT_ACTIVATIONS[quant], "gate": gate.table()}
             if not quiet:
                 print(gate.report(), file=sys.stderr)
             if not gate.passed:

@@ -240,14 +240,18 @@ class GraphBuilder:
 
     def _linear_q4(self, x, w: np.ndarray, wname: str | None):
         """``MatMulNBits`` (com.microsoft, bits 4, block 32, symmetric: no zero points)."""
-        from .quant import Q4_BLOCK, quantize_q4
+        from .quant import Q4_ACCURACY_LEVEL, Q4_BLOCK, quantize_q4
 
         w = np.asarray(w, dtype=np.float32)
         N, K = w.shape
         packed, scales = quantize_q4(w, wname or "linear weight")
         qb = self.const(packed, name=f"{wname}.q4" if wname else None)
         qs = self.const(scales, name=f"{wname}.scales" if wname else None)
-        return self.op("MatMulNBits", [x, qb, qs], domain=MS_DOMAIN, K=K, N=N, bits=4, block_size=Q4_BLOCK)
+        # accuracy_level 4: A is quantized to int8 per block of 32 at run time (GGML Q4_0 x Q8_0),
+        # the numerics herald's AVX-512 VNNI kernel runs, so the fidelity gate and the parity
+        # tests measure them; runtimes without an int8 path (tract) compute in float32
+        return self.op("MatMulNBits", [x, qb, qs], domain=MS_DOMAIN, K=K, N=N, bits=4, block_size=Q4_BLOCK,
+                       accuracy_level=Q4_ACCURACY_LEVEL)
 
     def _linear_q8(self, x, w: np.ndarray, wname: str | None):
         """int8 weights per output channel; ``x`` quantized per tensor at run time (int8, symmetric)."""

@@ -134,13 +134,33 @@ def test_q4_linear_on_onnxruntime(K):
     nodes = [n for n in m.graph.node if n.op_type == "MatMulNBits"]
     assert len(nodes) == 1 and nodes[0].domain == "com.microsoft" and len(nodes[0].input) == 3
     attrs = {a.name: helper.get_attribute_value(a) for a in nodes[0].attribute}
-    assert attrs == {"K": K, "N": 24, "bits": 4, "block_size": 32}
+    assert attrs == {"K": K, "N": 24, "bits": 4, "block_size": 32, "accuracy_level": 4}
     inits = {i.name: numpy_helper.to_array(i) for i in m.graph.initializer}
     packed, scales = inits[nodes[0].input[1]], inits[nodes[0].input[2]]
     x = rng.standard_normal((1, 7, K)).astype(np.float32)
     y = ort.InferenceSession(m.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, {"x": x})[0]
-    want = x.astype(np.float64) @ _decode_q4_independent(packed, scales, K).T + bias
+    w_f = _decode_q4_independent(packed, scales, K)
+    # accuracy_level 4: onnxruntime multiplies the weights by Q8_0 of x (per block of 32 along K)
+    want = _q8_0_independent(x) @ w_f.T + bias
     np.testing.assert_allclose(y, want, rtol=1e-5, atol=1e-5)
+    # ... which stays close to the float32 product (half a step of d = absmax/127 per value)
+    np.testing.assert_allclose(y, x.astype(np.float64) @ w_f.T + bias, rtol=0, atol=0.05)
+
+
+def _q8_0_independent(x: np.ndarray) -> np.ndarray:
+    """GGML's Q8_0 of x along its last axis written out value by value: per block of 32 (the last
+    one shorter when K is not a multiple), d = absmax / 127 in float32, q = round half to even of
+    x * (1/d) (0 when d is 0); returns q * d in float64."""
+    out = np.zeros(x.shape, np.float64)
+    for idx in np.ndindex(*x.shape[:-1]):
+        row = x[idx]
+        for b in range(0, row.shape[0], 32):
+            block = row[b:b + 32]
+            d = np.float32(max(abs(float(v)) for v in block)) / np.float32(127)
+            inv = np.float32(1) / d if d != 0 else np.float32(0)
+            for i, v in enumerate(block):
+                out[idx + (b + i,)] = float(np.round(np.float32(v) * inv)) * float(d)
+    return out
 
 
 def _q8_structure(m: onnx.ModelProto):
@@ -219,7 +239,15 @@ def test_quantized_manifest(qbundle):
         model = onnx.load(str(bundle / g["file"]))
         assert g["weight_bytes"] == initializer_bytes(model), name
     q = m["quantization"]
-    assert set(q) == {"format", "scheme", "block_size", "float_weights", "gate"}
+    assert set(q) == {"format", "scheme", "block_size", "float_weights", "gate"} | ({"activations"} if fmt == "q4" else set())
+    if fmt == "q4":
+        # the gate ran the graphs' MatMulNBits with accuracy_level 4: int8 activations
+        assert q["activations"] == "int8"
+        for which in ("talker", "code_predictor"):
+            nodes = [n for n in onnx.load(str(bundle / f"{which}.onnx")).graph.node if n.op_type == "MatMulNBits"]
+            assert nodes and all(helper.get_attribute_value(a) == 4 for n in nodes for a in n.attribute
+                                 if a.name == "accuracy_level"), which
+            assert all(any(a.name == "accuracy_level" for a in n.attribute) for n in nodes), which
     assert q["format"] == fmt and q["block_size"] == (32 if fmt == "q4" else 0)
     assert q["float_weights"] == ["code_predictor lm_heads", "norms", "embeddings (host tables)", "vocoder"]
     assert isinstance(q["scheme"], str) and "\n" not in q["scheme"]
@@ -234,14 +262,16 @@ def test_quantized_manifest(qbundle):
 
 
 def test_quantized_manifest_keys_are_documented(qbundle):
-    _, _, bundle, _ = qbundle
+    _, fmt, bundle, _ = qbundle
     manifest = tomllib.loads((bundle / "bundle.toml").read_text())
     written = {_normalise(k) for k in _flatten(manifest)}
     doc = (EXPORT_DIR.parents[1] / "docs" / "bundle.md").read_text()
     doc = doc[doc.index("## `bundle.toml`"):]
     documented = set(re.findall(r"^\| `([a-z_<>\[\].0-9]+)` \|", doc, flags=re.M))
     assert not written - documented, f"written but not documented: {sorted(written - documented)}"
-    assert {k for k in documented if k.startswith("quantization.")} <= written
+    # activations is q4's alone (q8 quantizes its activations inside the graph)
+    q4_only = {"quantization.activations"} if fmt == "q8" else set()
+    assert {k for k in documented if k.startswith("quantization.")} - q4_only <= written
 
 
 def test_quantized_graph_ops(qbundle):
@@ -294,8 +324,18 @@ def test_q4_graph_equals_dequantized_forward(tiny_factory):
 
     x = np.random.default_rng(9).standard_normal((12, spec.talker.hidden)).astype(np.float32)
     want, _ = lm_forward_numpy(spec, Dequantized(), "talker", x)
-    got = step(session(bundle / "talker.onnx"), StackCache(spec.talker), x)["logits"][0]
+    # the layout, exactly: the same graph with float32 activations (accuracy_level 0)
+    m = onnx.load(str(bundle / "talker.onnx"))
+    for n in m.graph.node:
+        for a in n.attribute:
+            if n.op_type == "MatMulNBits" and a.name == "accuracy_level":
+                a.i = 0
+    float_acts = ort.InferenceSession(m.SerializeToString(), providers=["CPUExecutionProvider"])
+    got = step(float_acts, StackCache(spec.talker), x)["logits"][0]
     assert snr_db(want, got) > 90, snr_db(want, got)
+    # the graph as written: int8 activations per block of 32 cost some 40 dB here, no more
+    got = step(session(bundle / "talker.onnx"), StackCache(spec.talker), x)["logits"][0]
+    assert 30 < snr_db(want, got) < 90, snr_db(want, got)
 
 
 def test_reference_decodes_quantized_bundle(tiny_factory):
