@@ -173,11 +173,12 @@ pub(crate) fn load_plans(
         let plan = model.into_runnable().map_err(tract_err)?;
         let optimize = t.elapsed().as_secs_f64();
         log::debug!(
-            "{name}: loaded {} ({f:?} frames) in {:.2} s: {} {before:.2} s, optimize {optimize:.2} s (Q4_0 products: {} on herald's kernels, {} packed for tract's)",
+            "{name}: loaded {} ({f:?} frames) in {:.2} s: {} {before:.2} s, optimize {optimize:.2} s (Q4_0 products: {} on herald's {} kernel, {} packed for tract's)",
             path.display(),
             before + optimize,
             if cached { "cached decluttered model" } else { "read, parse, type and declutter" },
             q4.herald,
+            q4.kernel.map_or_else(|| "(no)".to_string(), |k| format!("{k:?}")),
             q4.packed,
         );
         plans.push(Graph { plan, inputs, outputs, load_seconds: before + optimize, cached, heads });

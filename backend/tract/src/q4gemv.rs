@@ -1156,7 +1156,7 @@ mod tests {
         for s in [1usize, 7] {
             let mut ours = crate::q4pack::tests::q4_matmul(m, k, s);
             let done = crate::q4pack::optimize_with(&mut ours, Some(Kernel::detect())).unwrap();
-            assert_eq!(done, crate::q4pack::Q4Products { herald: 1, packed: 0 });
+            assert_eq!(done, crate::q4pack::Q4Products { herald: 1, packed: 0, kernel: Some(Kernel::detect()) });
             let ops: Vec<String> = ours.nodes.iter().map(|n| n.op.name().to_string()).collect();
             assert!(ops.iter().any(|o| o == "HeraldQ4MatMul"), "herald's product in the plan: {ops:?}");
             let mut theirs = crate::q4pack::tests::q4_matmul(m, k, s);

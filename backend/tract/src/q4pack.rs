@@ -38,6 +38,8 @@ pub(crate) struct Q4Products {
     pub herald: usize,
     /// Weights packed by [`pack_q4_0`] for tract's kernels.
     pub packed: usize,
+    /// The kernel of herald's products (`None`: none moved, or tract's kernels chosen).
+    pub kernel: Option<crate::q4gemv::Kernel>,
 }
 
 /// Optimize `model` for running like `TypedModel::optimize` (tract's codegen passes), with
@@ -75,7 +77,8 @@ pub(crate) fn optimize_with(model: &mut TypedModel, kernel: Option<crate::q4gemv
     model.optimize_with_session(&mut optimizer.session())?;
     log::debug!("{} products of two run-time operands on herald's loops", attention.load(Ordering::Relaxed));
     log::debug!("{} convolutions packed by herald's im2col", convolutions.load(Ordering::Relaxed));
-    Ok(Q4Products { herald: herald.load(Ordering::Relaxed), packed: packed.load(Ordering::Relaxed) })
+    let herald = herald.load(Ordering::Relaxed);
+    Ok(Q4Products { herald, packed: packed.load(Ordering::Relaxed), kernel: kernel.filter(|_| herald > 0) })
 }
 
 /// An optimizer pass: replaces every `OptSimpleMatMulPack` of a constant Q4_0 tensor with the
