@@ -429,6 +429,31 @@ mod x86 {
     /// 12.3–12.4 GB/s of int4 weights from 256 to 2048 bytes ahead.
     pub(super) const PREFETCH: usize = 512;
 
+    /// Loads run `run`'s scales of a panel's four rows (sixteen f16 per row, from the panel's
+    /// scales at `sc`) into `d` as f32.
+    ///
+    /// # Safety
+    /// F16C; the panel holds run `run` (4 rows × 16 scales per run from `sc`).
+    #[target_feature(enable = "avx2,f16c")]
+    #[inline]
+    unsafe fn run_scales(sc: *const u16, run: usize, d: &mut [[f32; 16]; 4]) {
+        for (i, di) in d.iter_mut().enumerate() {
+            // SAFETY: a run holds 4 rows × 16 scales (the caller).
+            unsafe { scales_f32(sc.add((run * 4 + i) * 16), di) };
+        }
+    }
+
+    /// Prefetches the four cache lines [`PREFETCH`] bytes past the group at `at`: a hint only,
+    /// so prefetching past the end of a panel is harmless.
+    #[inline(always)]
+    fn prefetch_ahead(at: *const Group) {
+        let ahead = at.cast::<i8>().wrapping_add(PREFETCH);
+        for line in 0..4 {
+            // SAFETY: SSE is in every x86_64 CPU, and a prefetch never faults.
+            unsafe { _mm_prefetch::<_MM_HINT_T0>(ahead.wrapping_add(64 * line)) };
+        }
+    }
+
     /// The sixteen f16 scales at `src` as f32 into `dst`.
     ///
     /// # Safety
@@ -503,10 +528,8 @@ mod x86 {
             let mut d = [[0f32; 16]; 4];
             // runs of four groups (sixteen blocks: one load of scales per row), the last maybe shorter
             for run in 0..w.runs() {
-                for (i, di) in d.iter_mut().enumerate() {
-                    // SAFETY: a run holds 4 rows × 16 scales.
-                    unsafe { scales_f32(sc.add((run * 4 + i) * 16), di) };
-                }
+                // SAFETY: the panel holds this run.
+                unsafe { run_scales(sc, run, &mut d) };
                 let g0 = run * 4;
                 for j in 0..(w.groups - g0).min(4) {
                     let g = g0 + j;
@@ -515,11 +538,7 @@ mod x86 {
                     // in bounds.
                     unsafe {
                         let at = nib.add(4 * g);
-                        // a hint only: prefetching past the end of the panel is harmless
-                        let ahead = at.cast::<i8>().wrapping_add(PREFETCH);
-                        for line in 0..4 {
-                            _mm_prefetch::<_MM_HINT_T0>(ahead.wrapping_add(64 * line));
-                        }
+                        prefetch_ahead(at);
                         let xg: [*const f32; M] = std::array::from_fn(|m| xp.add(m * kp + g * 128));
                         a0 = group_avx512::<M>(at, d[0].as_ptr().add(4 * j), xg, a0);
                         a1 = group_avx512::<M>(at.add(1), d[1].as_ptr().add(4 * j), xg, a1);
@@ -570,15 +589,10 @@ mod x86 {
             let mut d = [[0f32; 16]; 4];
             for g in 0..w.groups {
                 if g % 4 == 0 {
-                    for (i, di) in d.iter_mut().enumerate() {
-                        // SAFETY: a run holds 4 rows × 16 scales.
-                        unsafe { scales_f32(sc.add((g + i) * 16), di) };
-                    }
+                    // SAFETY: the panel holds run g / 4.
+                    unsafe { run_scales(sc, g / 4, &mut d) };
                 }
-                let ahead = nib.wrapping_add(4 * g).cast::<i8>().wrapping_add(PREFETCH);
-                for line in 0..4 {
-                    _mm_prefetch::<_MM_HINT_T0>(ahead.wrapping_add(64 * line));
-                }
+                prefetch_ahead(nib.wrapping_add(4 * g));
                 for h in 0..4 {
                     // SAFETY: as in gemm_avx512: group g of the panel, 32 floats of each x row
                     // at block h of group g.
@@ -648,10 +662,8 @@ mod x86 {
             let mut acc = [[_mm512_setzero_ps(); M]; 4];
             let mut d = [[0f32; 16]; 4];
             for run in 0..w.runs() {
-                for (i, di) in d.iter_mut().enumerate() {
-                    // SAFETY: a run holds 4 rows × 16 scales.
-                    unsafe { scales_f32(sc.add((run * 4 + i) * 16), di) };
-                }
+                // SAFETY: the panel holds this run.
+                unsafe { run_scales(sc, run, &mut d) };
                 let g0 = run * 4;
                 for j in 0..(groups - g0).min(4) {
                     let g = g0 + j;
@@ -659,11 +671,7 @@ mod x86 {
                     // rows of xq hold `groups` groups each.
                     unsafe {
                         let at = nib.add(4 * g);
-                        // a hint only: prefetching past the end of the panel is harmless
-                        let ahead = at.cast::<i8>().wrapping_add(PREFETCH);
-                        for line in 0..4 {
-                            _mm_prefetch::<_MM_HINT_T0>(ahead.wrapping_add(64 * line));
-                        }
+                        prefetch_ahead(at);
                         let xg: [*const super::QGroup; M] = std::array::from_fn(|m| xp.add(m * groups + g));
                         for (i, (acc, di)) in acc.iter_mut().zip(&d).enumerate() {
                             let v = _mm512_load_si512(at.add(i).cast());
