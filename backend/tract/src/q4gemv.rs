@@ -427,6 +427,8 @@ mod x86 {
     /// How far ahead of the kernel a panel's stream is prefetched, in bytes: two groups of its
     /// four rows. Measured on the build machine (AMD EPYC, panels streamed from memory):
     /// 12.3–12.4 GB/s of int4 weights from 256 to 2048 bytes ahead.
+    /// On an Intel Xeon host (2026-12-05, VNNI kernel, talker step): 29.5–31.8 ms from 512 to
+    /// 16384 bytes ahead, no trend (docs/performance.md "Another host").
     pub(super) const PREFETCH: usize = 512;
 
     /// Loads run `run`'s scales of a panel's four rows (sixteen f16 per row, from the panel's
