@@ -55,7 +55,7 @@ pub use compute::set_compute_threads;
 /// run the reference in the same numerics.
 pub fn q4_int8_activations(manifest: &Manifest) -> bool {
     manifest.weights() == model::dtype::WeightFormat::Q4
-        && q4gemv::Kernel::chosen(manifest.int8_activations()).is_some_and(q4gemv::Kernel::int8)
+        && q4gemv::chosen(manifest.int8_activations()).is_some_and(kernels::q4::Kernel::int8)
 }
 
 /// The tract backend. Stateless: every [`Backend::load`] reads and optimizes the graphs anew.

@@ -25,11 +25,7 @@ use tract_onnx::tract_core::ops::konst::Const;
 use tract_onnx::tract_core::ops::matmul::pack::OptSimpleMatMulPack;
 use tract_onnx::tract_core::optim::{Optimizer, OptimizerSession, TypedPass};
 
-/// Weights per Q4_0 block (GGML's `QK4_0`).
-pub(crate) const BLOCK_LEN: usize = 32;
-/// Bytes per Q4_0 block: an f16 scale, then 16 bytes holding weight `j` in the low nibble of
-/// byte `j` and weight `j + 16` in its high nibble (GGML's `block_q4_0`).
-pub(crate) const BLOCK_BYTES: usize = 18;
+use kernels::q4::{BLOCK_BYTES, BLOCK_LEN};
 
 /// What [`optimize`] did to a graph's Q4_0 products.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -39,13 +35,13 @@ pub(crate) struct Q4Products {
     /// Weights packed by [`pack_q4_0`] for tract's kernels.
     pub packed: usize,
     /// The kernel of herald's products (`None`: none moved, or tract's kernels chosen).
-    pub kernel: Option<crate::q4gemv::Kernel>,
+    pub kernel: Option<kernels::q4::Kernel>,
 }
 
 /// Optimize `model` for running like `TypedModel::optimize` (tract's codegen passes), with
 /// [`crate::inplace::FoldReshapeInPlace`] first, so that reshapes of constant weights take
 /// no copy, then [`crate::runtime_matmul::UseRuntimeMatMul`] for the attention's products of two
-/// run-time operands (every graph, every dtype), then [`crate::q4gemv::UseQ4MatMul`] on the kernel [`crate::q4gemv::Kernel::chosen`]
+/// run-time operands (every graph, every dtype), then [`crate::q4gemv::UseQ4MatMul`] on the kernel [`crate::q4gemv::chosen`]
 /// picks for `int8_activations` (the bundle's `[quantization] activations = "int8"`; when it picks one), so that Q4_0 products run on herald's kernels, and [`PackQ4_0`],
 /// so that the Q4_0 weights left to tract are packed by [`pack_q4_0`]; after tract's passes,
 /// [`crate::im2col::UsePanelIm2Col`], so that the vocoder's convolutions are laid out for their
@@ -54,11 +50,11 @@ pub(crate) struct Q4Products {
 /// # Errors
 /// Whatever tract's optimizer returns.
 pub(crate) fn optimize(model: &mut TypedModel, int8_activations: bool) -> TractResult<Q4Products> {
-    optimize_with(model, crate::q4gemv::Kernel::chosen(int8_activations))
+    optimize_with(model, crate::q4gemv::chosen(int8_activations))
 }
 
 /// [`optimize`] with herald's Q4_0 products on `kernel`, or left to tract when `None`.
-pub(crate) fn optimize_with(model: &mut TypedModel, kernel: Option<crate::q4gemv::Kernel>) -> TractResult<Q4Products> {
+pub(crate) fn optimize_with(model: &mut TypedModel, kernel: Option<kernels::q4::Kernel>) -> TractResult<Q4Products> {
     let packed = Arc::new(AtomicUsize::new(0));
     let herald = Arc::new(AtomicUsize::new(0));
     let mut passes = Optimizer::codegen().passes;

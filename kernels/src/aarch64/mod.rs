@@ -1,0 +1,3 @@
+//! aarch64 kernels (NEON, dot product), chosen at run time by their family's dispatcher.
+
+pub(crate) mod q4;

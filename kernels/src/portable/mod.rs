@@ -1,0 +1,3 @@
+//! The portable references (plain Rust, any CPU).
+
+pub(crate) mod q4;
