@@ -65,63 +65,12 @@ impl PanelIm2Col {
         let (r, k) = (self.format.r, self.k());
         let panel_len = self.format.single_panel_len(k);
         let panels = n.div_ceil(r);
-        // SAFETY: every element is written below (copies, then zeros for what they leave).
+        // SAFETY: `Conv1d::pack` writes every element (copies, then zeros for what they leave).
         let mut data = unsafe { Tensor::uninitialized_aligned_dt(f32::datum_type(), &[panels * panel_len], self.format.alignment())? };
         let out = crate::stack::view_mut::<f32>(&mut data)?;
-        match r {
-            1 => self.fill::<1>(x, t, n, out, panel_len),
-            2 => self.fill::<2>(x, t, n, out, panel_len),
-            3 => self.fill::<3>(x, t, n, out, panel_len),
-            4 => self.fill::<4>(x, t, n, out, panel_len),
-            6 => self.fill::<6>(x, t, n, out, panel_len),
-            8 => self.fill::<8>(x, t, n, out, panel_len),
-            12 => self.fill::<12>(x, t, n, out, panel_len),
-            16 => self.fill::<16>(x, t, n, out, panel_len),
-            _ => self.fill_any(r, x, t, n, out, panel_len),
-        }
+        kernels::im2col::Conv1d { channels: self.channels, kernel: self.kernel, dilation: self.dilation }
+            .pack(x, t, n, r, panel_len, out);
         Ok(data)
-    }
-
-    /// [`Self::pack`]'s copies for panels of `R` columns, known at compile time (tract's float32
-    /// kernels on x86-64 take panels of 1 to 16 columns: a copy of a few values per row, which a
-    /// general `memcpy` call would dominate).
-    fn fill<const R: usize>(&self, x: &[f32], t: usize, n: usize, out: &mut [f32], panel_len: usize) {
-        let k = self.k();
-        let whole = n / R;
-        for (p, panel) in out.chunks_exact_mut(panel_len).enumerate().take(whole) {
-            let first = p * R;
-            let (rows, tail) = panel.split_at_mut(k * R);
-            let mut rows = rows.chunks_exact_mut(R);
-            for ci in 0..self.channels {
-                let row = &x[ci * t + first..];
-                for (j, dst) in (0..self.kernel).zip(&mut rows) {
-                    dst.copy_from_slice(&row[j * self.dilation..j * self.dilation + R]);
-                }
-            }
-            tail.fill(0.0);
-        }
-        if whole * R < n {
-            self.fill_any(R, x, t, n, &mut out[whole * panel_len..], panel_len);
-        }
-    }
-
-    /// [`Self::pack`]'s copies for any panel width `r`, for the last `out.len() / panel_len`
-    /// panels of the `n.div_ceil(r)` (`out` starts at the first of them).
-    fn fill_any(&self, r: usize, x: &[f32], t: usize, n: usize, out: &mut [f32], panel_len: usize) {
-        let k = self.k();
-        let first_panel = n.div_ceil(r) - out.len() / panel_len;
-        for (p, panel) in out.chunks_exact_mut(panel_len).enumerate() {
-            let first = (first_panel + p) * r;
-            let cols = r.min(n - first);
-            let (rows, tail) = panel.split_at_mut(k * r);
-            for (row, dst) in rows.chunks_exact_mut(r).enumerate() {
-                let (ci, j) = (row / self.kernel, row % self.kernel);
-                let start = ci * t + first + j * self.dilation;
-                dst[..cols].copy_from_slice(&x[start..start + cols]);
-                dst[cols..].fill(0.0);
-            }
-            tail.fill(0.0);
-        }
     }
 }
 

@@ -10,14 +10,7 @@
 //! rewrites exactly that pattern into one `HeraldSnake(x, a, inv_b)` node before tract parses
 //! the graph (the bundle's file is not changed, and other runtimes never see the node); [`Snake`]
 //! computes it in one pass with a polynomial sine the compiler vectorizes (SSE/AVX on x86_64,
-//! NEON on aarch64).
-//!
-//! The sine: `sin²` has period π, so `u = a·x` is reduced to `r = u − k·π ∈ [−π/2, π/2]`
-//! (`k` = u/π rounded; π split in three parts, Cody–Waite, so that `k·π` is exact enough), and
-//! `sin r` is its Taylor polynomial to degree 11 (truncation below 6e-8 on that interval, one
-//! float32 ulp). Elements with `|u/π| ≥ 2^13`, where the reduction stops being exact, are
-//! recomputed with the scalar `f32::sin` (never the case for a working vocoder: its activations
-//! are O(1)); NaN and ±inf propagate as in the unfused graph (`sin(±inf)` is NaN).
+//! NEON on aarch64): `kernels::snake`, which documents the arithmetic.
 
 use tract_onnx::model::ParsingContext;
 use tract_onnx::pb;
@@ -29,67 +22,6 @@ use crate::stack::{view, view_mut};
 
 /// The custom op type the rewritten graph uses (parsed by [`register`]).
 pub(crate) const OP_TYPE: &str = "HeraldSnake";
-
-/// 1/π in float32.
-const INV_PI: f32 = std::f32::consts::FRAC_1_PI;
-/// π = PI_A + PI_B + PI_C to about 1e-14 (Cody–Waite): PI_A and PI_B have 11 significant bits,
-/// so `k·PI_A` and `k·PI_B` are exact in float32 for |k| < 2^13.
-const PI_A: f32 = 3.140_625;
-const PI_B: f32 = 9.675_026e-4;
-const PI_C: f32 = 1.509_958e-7;
-/// 1.5 · 2^23: adding and subtracting it rounds a float32 of magnitude below 2^22 to the nearest
-/// integer (ties to even) without a libm call, so the loop vectorizes.
-const ROUND_MAGIC: f32 = 12_582_912.0;
-/// Largest |u/π| reduced with the polynomial (where the reduction above is exact); beyond it the
-/// scalar `f32::sin` runs.
-const REDUCE_LIMIT: f32 = 8192.0;
-
-/// sin² of `u`, in a form that vectorizes (no branch, no call).
-#[inline(always)]
-fn sin2_poly(u: f32) -> f32 {
-    let k = (u * INV_PI + ROUND_MAGIC) - ROUND_MAGIC;
-    let r = ((u - k * PI_A) - k * PI_B) - k * PI_C;
-    let r2 = r * r;
-    // Taylor coefficients of sin: (-1)^n / (2n+1)!
-    let p = -2.505_210_8e-8_f32;
-    let p = p * r2 + 2.755_731_9e-6;
-    let p = p * r2 - 1.984_127e-4;
-    let p = p * r2 + 8.333_333e-3;
-    let p = p * r2 - 0.166_666_67;
-    let s = r + r * r2 * p;
-    s * s
-}
-
-/// SnakeBeta of one channel's samples, `out = x + inv_b · sin²(a · x)`, every `|a·x/π|` below
-/// [`REDUCE_LIMIT`].
-#[inline(always)]
-fn snake_row_body(xs: &[f32], out: &mut [f32], a: f32, inv_b: f32) {
-    for (o, &x) in out.iter_mut().zip(xs) {
-        *o = x + inv_b * sin2_poly(x * a);
-    }
-}
-
-/// [`snake_row_body`] compiled for AVX2 + FMA (8 lanes instead of SSE2's 4; 3.4× faster
-/// measured on this build machine's AMD EPYC).
-///
-/// # Safety
-/// The CPU must support AVX2 and FMA.
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx2,fma")]
-unsafe fn snake_row_avx2(xs: &[f32], out: &mut [f32], a: f32, inv_b: f32) {
-    snake_row_body(xs, out, a, inv_b);
-}
-
-/// SnakeBeta of one row with the widest vectors the CPU has.
-fn snake_row(xs: &[f32], out: &mut [f32], a: f32, inv_b: f32) {
-    #[cfg(target_arch = "x86_64")]
-    if std::arch::is_x86_feature_detected!("avx2") && std::arch::is_x86_feature_detected!("fma") {
-        // SAFETY: both features were detected at run time.
-        unsafe { snake_row_avx2(xs, out, a, inv_b) };
-        return;
-    }
-    snake_row_body(xs, out, a, inv_b);
-}
 
 /// The fused SnakeBeta node: inputs `x` float32 `[N, C, L]`, `a` and `inv_b` float32 with `C`
 /// elements (`[1, C, 1]` as exported); output `x + inv_b · sin²(a · x)` with the shape of `x`.
@@ -124,26 +56,10 @@ impl EvalOp for Snake {
             let os = view_mut::<f32>(&mut out)?;
             for (row, (src, dst)) in xs.chunks_exact(l).zip(os.chunks_exact_mut(l)).enumerate().take(n * c) {
                 let ch = row % c;
-                snake_row_exact(src, dst, a[ch], inv_b[ch]);
+                kernels::snake::snake_row(src, dst, a[ch], inv_b[ch]);
             }
         }
         Ok(tvec!(out.into_tvalue()))
-    }
-}
-
-/// [`snake_row`] with the far elements done exactly: a vectorized max of `|x|` over the row
-/// decides whether any element is far (NaN and ±inf need no special case: the polynomial
-/// returns NaN for them, as `sin` does); only then does a per-element loop run.
-fn snake_row_exact(xs: &[f32], out: &mut [f32], a: f32, inv_b: f32) {
-    let max = xs.iter().fold(0.0f32, |m, &x| m.max(x.abs()));
-    if max * a.abs() * INV_PI < REDUCE_LIMIT {
-        snake_row(xs, out, a, inv_b);
-    } else {
-        for (o, &x) in out.iter_mut().zip(xs) {
-            let u = x * a;
-            let s = if (u * INV_PI).abs() < REDUCE_LIMIT { sin2_poly(u) } else { u.sin() * u.sin() };
-            *o = x + inv_b * s;
-        }
     }
 }
 
@@ -279,44 +195,4 @@ pub(crate) fn fuse_snakes(proto: &mut pb::ModelProto) -> usize {
         keep
     });
     found.len()
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn the_polynomial_matches_sin_squared() {
-        let mut worst = 0f32;
-        for i in -200_000..=200_000 {
-            let u = i as f32 * 1e-3; // |u| <= 200, far beyond the vocoder's activations
-            let want = (f64::from(u).sin().powi(2)) as f32;
-            worst = worst.max((sin2_poly(u) - want).abs());
-        }
-        assert!(worst < 2e-6, "max abs error {worst}");
-    }
-
-    #[test]
-    fn every_vector_width_gives_the_same_rows() {
-        let xs: Vec<f32> = (0..1037).map(|i| (i as f32 * 0.37).sin() * 3.0).collect();
-        let (mut wide, mut plain) = (vec![0.0f32; xs.len()], vec![0.0f32; xs.len()]);
-        snake_row(&xs, &mut wide, 0.9, 1.3);
-        snake_row_body(&xs, &mut plain, 0.9, 1.3);
-        for ((w, p), &x) in wide.iter().zip(&plain).zip(&xs) {
-            let exact = f64::from(x) + 1.3 * (0.9 * f64::from(x)).sin().powi(2);
-            assert!((f64::from(*w) - exact).abs() < 1e-5 && (f64::from(*p) - exact).abs() < 1e-5, "{w} {p} {exact}");
-        }
-    }
-
-    #[test]
-    fn far_and_special_values_follow_the_scalar_formula() {
-        let (a, inv_b) = (1.7f32, 0.6f32);
-        let xs = vec![0.5f32, 1e9, -3e8, f32::INFINITY, f32::NAN, -0.25];
-        let want: Vec<f32> = xs.iter().map(|&x| x + inv_b * (x * a).sin() * (x * a).sin()).collect();
-        let mut got = vec![0.0f32; xs.len()];
-        snake_row_exact(&xs, &mut got, a, inv_b);
-        for (g, w) in got.iter().zip(&want) {
-            assert!((g.is_nan() && w.is_nan()) || (g - w).abs() <= 1e-6 * w.abs().max(1.0), "{g} vs {w}");
-        }
-    }
 }

@@ -1,3 +1,4 @@
 //! The portable references (plain Rust, any CPU).
 
 pub(crate) mod q4;
+pub(crate) mod snake;
