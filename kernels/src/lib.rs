@@ -8,6 +8,7 @@
 //! of the sum, documented per test). Nothing here names tract, reads files or starts threads:
 //! `backend_tract` wires these kernels into its graphs as ops.
 
+pub mod attention;
 pub mod im2col;
 pub mod q4;
 pub mod snake;

@@ -28,6 +28,8 @@ use tract_onnx::tract_core::ops::einsum::einsum_matmul::EinSumMatMul;
 use tract_onnx::tract_core::optim::{OptimizerSession, TypedPass};
 use tract_onnx::tract_hir::internal::*;
 
+use kernels::attention::{Stride, Tile};
+
 use crate::stack::{view, view_mut};
 
 /// Where one einsum axis lies: its position in the left operand, the right one and the output.
@@ -42,16 +44,6 @@ pub struct RuntimeMatMul {
     axes: TVec<AxisPlace>,
     /// Ranks of `a`, `b` and the output.
     ranks: (usize, usize, usize),
-}
-
-/// One axis at evaluation: its size and its element strides in `a`, `b` and the output (0
-/// where absent).
-#[derive(Clone, Copy, Debug)]
-struct Stride {
-    size: usize,
-    a: usize,
-    b: usize,
-    y: usize,
 }
 
 fn strides(shape: &[usize]) -> TVec<usize> {
@@ -85,221 +77,12 @@ fn for_each(outer: &[Stride], mut f: impl FnMut(usize, usize, usize)) {
     }
 }
 
-/// `Σ a[i] · b[i]` in sixteen running sums (which the compiler turns into vector lanes).
-#[inline(always)]
-fn dot_lanes(a: &[f32], b: &[f32]) -> f32 {
-    let mut acc = [0f32; 16];
-    let (ca, cb) = (a.chunks_exact(16), b.chunks_exact(16));
-    let (ra, rb) = (ca.remainder(), cb.remainder());
-    for (x, y) in ca.zip(cb) {
-        for j in 0..16 {
-            acc[j] += x[j] * y[j];
-        }
-    }
-    let mut tail = 0f32;
-    for (x, y) in ra.iter().zip(rb) {
-        tail += x * y;
-    }
-    acc.iter().sum::<f32>() + tail
-}
-
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx2,fma")]
-fn dot_avx2(a: &[f32], b: &[f32]) -> f32 {
-    dot_lanes(a, b)
-}
-
-/// `Σ a[i] · b[i]`, `a.len() == b.len()`.
-fn dot(a: &[f32], b: &[f32]) -> f32 {
-    #[cfg(target_arch = "x86_64")]
-    if std::arch::is_x86_feature_detected!("avx2") && std::arch::is_x86_feature_detected!("fma") {
-        // SAFETY: the CPU has AVX2 and FMA (checked just above).
-        return unsafe { dot_avx2(a, b) };
-    }
-    dot_lanes(a, b)
-}
-
-/// `y[i] += s · b[i]`.
-#[inline(always)]
-fn axpy_lanes(y: &mut [f32], s: f32, b: &[f32]) {
-    for (o, v) in y.iter_mut().zip(b) {
-        *o += s * v;
-    }
-}
-
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx2,fma")]
-fn axpy_avx2(y: &mut [f32], s: f32, b: &[f32]) {
-    axpy_lanes(y, s, b)
-}
-
-fn axpy(y: &mut [f32], s: f32, b: &[f32]) {
-    #[cfg(target_arch = "x86_64")]
-    if std::arch::is_x86_feature_detected!("avx2") && std::arch::is_x86_feature_detected!("fma") {
-        // SAFETY: the CPU has AVX2 and FMA (checked just above).
-        return unsafe { axpy_avx2(y, s, b) };
-    }
-    axpy_lanes(y, s, b)
-}
-
 /// The axes of a tile of dot products: an output axis of `a` only (`b` stride 0) and one of `b`
 /// only (`a` stride 0), as (index in `outer`, index in `outer`).
-#[cfg(target_arch = "x86_64")]
 fn tile_axes(outer: &[Stride]) -> Option<(usize, usize)> {
     let g = outer.iter().position(|s| s.b == 0 && s.a != 0)?;
     let p = outer.iter().position(|s| s.a == 0 && s.b != 0)?;
     Some((g, p))
-}
-
-/// AVX-512 tiles of the attention's two products: up to [`x86::MAX_ROWS`] rows of `a` against
-/// one row of `b` at a time, each `b` row read once for all of them, the sums in registers.
-#[cfg(target_arch = "x86_64")]
-mod x86 {
-    use super::Stride;
-    use std::arch::x86_64::*;
-
-    /// Most rows of `a` per tile (query heads per KV head: 2 in Qwen3-TTS's talker and
-    /// predictor, 16 query heads over 8 KV heads).
-    pub(super) const MAX_ROWS: usize = 4;
-    /// Widest summed (dot) or output (axpy) axis taken, floats (the head dimension: 128 at
-    /// 0.6B): a row of `a` stays in L1 while the rows of `b` stream past it.
-    const MAX_WIDTH: usize = 512;
-
-    /// One tile: the offsets of its first row of `a`, row of `b` and output element, the axis
-    /// of `a`'s rows (`g`: a stride 0 in `b`), the axis walked in `b` (`p`: the positions) and the
-    /// width of a row (the summed axis of the dots, the output axis of the axpys).
-    #[derive(Clone, Copy, Debug)]
-    pub(super) struct Tile {
-        pub oa: usize,
-        pub ob: usize,
-        pub oy: usize,
-        pub g: Stride,
-        pub p: Stride,
-        pub width: usize,
-    }
-
-    fn avx512() -> bool {
-        std::arch::is_x86_feature_detected!("avx512f")
-    }
-
-    /// Whether [`dots`] takes `rows` rows of width `k` on this CPU (a single row has no `b` row
-    /// to share: the general loops take it; axes of size 1 are gone before this point anyway).
-    pub(super) fn dots_fit(rows: usize, k: usize) -> bool {
-        (2..=MAX_ROWS).contains(&rows) && k.is_multiple_of(16) && (16..=MAX_WIDTH).contains(&k) && avx512()
-    }
-
-    /// Whether [`axpys`] takes `rows` rows of width `n` on this CPU.
-    pub(super) fn axpys_fit(rows: usize, n: usize) -> bool {
-        dots_fit(rows, n)
-    }
-
-    /// `y[oy + i·g.y + j·p.y] = Σ_c a[oa + i·g.a + c] · b[ob + j·p.b + c]` for every row `i` of
-    /// the axis `g` and `j` of `p`, `c < k` (the tile's width), of the tile `t`.
-    ///
-    /// # Safety
-    /// AVX-512F; every index above is in bounds; `2 ≤ g.size ≤ MAX_ROWS`, `k` a multiple of 16
-    /// up to `MAX_WIDTH`.
-    pub(super) unsafe fn dots(a: &[f32], b: &[f32], y: &mut [f32], t: Tile) {
-        // SAFETY: the caller's contract, with the row count as a constant.
-        unsafe {
-            match t.g.size {
-                2 => dots_g::<2>(a, b, y, t),
-                3 => dots_g::<3>(a, b, y, t),
-                _ => dots_g::<4>(a, b, y, t),
-            }
-        }
-    }
-
-    #[target_feature(enable = "avx512f")]
-    unsafe fn dots_g<const G: usize>(a: &[f32], b: &[f32], y: &mut [f32], t: Tile) {
-        let Tile { oa, ob, oy, g, p, width: k } = t;
-        let rows: [&[f32]; G] = std::array::from_fn(|i| &a[oa + i * g.a..][..k]);
-        for j in 0..p.size {
-            let r = &b[ob + j * p.b..][..k];
-            let mut acc = [_mm512_setzero_ps(); G];
-            for c in (0..k).step_by(16) {
-                // SAFETY: 16 floats at c ≤ k − 16 of slices of k.
-                unsafe {
-                    let x = _mm512_loadu_ps(r.as_ptr().add(c));
-                    for i in 0..G {
-                        acc[i] = _mm512_fmadd_ps(_mm512_loadu_ps(rows[i].as_ptr().add(c)), x, acc[i]);
-                    }
-                }
-            }
-            for (i, s) in acc.iter().enumerate() {
-                y[oy + i * g.y + j * p.y] = _mm512_reduce_add_ps(*s);
-            }
-        }
-    }
-
-    /// `y[oy + i·g.y + c] = Σ_j a[oa + i·g.a + j·p.a] · b[ob + j·p.b + c]` for every row `i` of
-    /// the axis `g` and `c < n` (the tile's width), summed over `j` of `p`, of the tile `t`.
-    ///
-    /// # Safety
-    /// AVX-512F; every index above is in bounds; `2 ≤ g.size ≤ MAX_ROWS`, `n` a multiple of 16
-    /// up to `MAX_WIDTH`.
-    pub(super) unsafe fn axpys(a: &[f32], b: &[f32], y: &mut [f32], t: Tile) {
-        // SAFETY: the caller's contract, with the row count as a constant.
-        unsafe {
-            match (t.g.size, t.width) {
-                (2, 128) => axpys_rows::<2, 8>(a, b, y, t),
-                (2, 64) => axpys_rows::<2, 4>(a, b, y, t),
-                (2, _) => axpys_g::<2>(a, b, y, t),
-                (3, _) => axpys_g::<3>(a, b, y, t),
-                _ => axpys_g::<4>(a, b, y, t),
-            }
-        }
-    }
-
-    /// [`axpys`] for rows of `16 V` floats (the head dimensions 64 and 128): each `b` row read
-    /// whole, in order, the `G × V` sums in registers.
-    #[target_feature(enable = "avx512f")]
-    #[allow(clippy::needless_range_loop)]
-    unsafe fn axpys_rows<const G: usize, const V: usize>(a: &[f32], b: &[f32], y: &mut [f32], t: Tile) {
-        let Tile { oa, ob, oy, g, p, .. } = t;
-        let mut acc = [[_mm512_setzero_ps(); V]; G];
-        for j in 0..p.size {
-            let r = &b[ob + j * p.b..][..16 * V];
-            let s: [__m512; G] = std::array::from_fn(|i| _mm512_set1_ps(a[oa + i * g.a + j * p.a]));
-            for c in 0..V {
-                // SAFETY: 16 floats at 16·c of a slice of 16·V.
-                let x = unsafe { _mm512_loadu_ps(r.as_ptr().add(16 * c)) };
-                for i in 0..G {
-                    acc[i][c] = _mm512_fmadd_ps(s[i], x, acc[i][c]);
-                }
-            }
-        }
-        for (i, row) in acc.iter().enumerate() {
-            let out = &mut y[oy + i * g.y..][..16 * V];
-            for (c, v) in row.iter().enumerate() {
-                // SAFETY: as above.
-                unsafe { _mm512_storeu_ps(out.as_mut_ptr().add(16 * c), *v) };
-            }
-        }
-    }
-
-    /// [`axpys`] for any width: sixteen output columns at a time.
-    #[target_feature(enable = "avx512f")]
-    unsafe fn axpys_g<const G: usize>(a: &[f32], b: &[f32], y: &mut [f32], t: Tile) {
-        let Tile { oa, ob, oy, g, p, width: n } = t;
-        // sixteen output columns at a time, summed over every position in registers
-        for c in (0..n).step_by(16) {
-            let mut acc = [_mm512_setzero_ps(); G];
-            for j in 0..p.size {
-                let r = &b[ob + j * p.b..][..n];
-                // SAFETY: 16 floats at c ≤ n − 16 of a slice of n.
-                let x = unsafe { _mm512_loadu_ps(r.as_ptr().add(c)) };
-                for i in 0..G {
-                    acc[i] = _mm512_fmadd_ps(_mm512_set1_ps(a[oa + i * g.a + j * p.a]), x, acc[i]);
-                }
-            }
-            for (i, s) in acc.iter().enumerate() {
-                let out = &mut y[oy + i * g.y..][..n];
-                // SAFETY: as above.
-                unsafe { _mm512_storeu_ps(out.as_mut_ptr().add(c), *s) };
-            }
-        }
-    }
 }
 
 impl RuntimeMatMul {
@@ -324,40 +107,40 @@ impl RuntimeMatMul {
             // the scores of a decode step: rows of `a` (the query heads of one KV head, an axis
             // `b` lacks) against rows of `b` (the cached positions), each `b` row read once for
             // all of them
-            #[cfg(target_arch = "x86_64")]
             if let Some((g, p)) = tile_axes(&outer)
-                && x86::dots_fit(outer[g].size, k.size)
+                && kernels::attention::dots_fit(outer[g].size, k.size)
             {
                 let (ga, pb) = (outer[g], outer[p]);
                 let rest: TVec<Stride> = outer.iter().enumerate().filter(|&(i, _)| i != g && i != p).map(|(_, s)| *s).collect();
                 for_each(&rest, |oa, ob, oy| {
-                    // SAFETY: AVX-512F (dots_fit); every row index is within the operands' and
-                    // the output's extents, as for the general loops below.
-                    unsafe { x86::dots(a, b, y, x86::Tile { oa, ob, oy, g: ga, p: pb, width: k.size }) }
+                    // every row index is within the operands' and the output's extents, as for
+                    // the general loops below; dots_fit said the tile is taken
+                    kernels::attention::dots(a, b, y, Tile { oa, ob, oy, g: ga, p: pb, width: k.size });
                 });
                 return;
             }
-            for_each(&outer, |oa, ob, oy| y[oy] = dot(&a[oa..oa + k.size], &b[ob..ob + k.size]));
+            for_each(&outer, |oa, ob, oy| y[oy] = kernels::attention::dot(&a[oa..oa + k.size], &b[ob..ob + k.size]));
             return;
         }
         if let Some(i) = outer.iter().position(|s| s.a == 0 && s.b == 1 && s.y == 1) {
             let n = outer.remove(i);
             // the weighted sum of a decode step: each `b` row (a cached position's values) read
             // once for every row of `a` (the query heads of its KV head), the sums in registers
-            #[cfg(target_arch = "x86_64")]
             if let [kp] = summed[..]
                 && let Some(g) = outer.iter().position(|s| s.b == 0 && s.a != 0)
-                && x86::axpys_fit(outer[g].size, n.size)
+                && kernels::attention::axpys_fit(outer[g].size, n.size)
             {
                 let ga = outer.remove(g);
                 for_each(&outer, |oa, ob, oy| {
-                    // SAFETY: AVX-512F (axpys_fit); indices as for the general loops below.
-                    unsafe { x86::axpys(a, b, y, x86::Tile { oa, ob, oy, g: ga, p: kp, width: n.size }) }
+                    // indices as for the general loops below; axpys_fit said the tile is taken
+                    kernels::attention::axpys(a, b, y, Tile { oa, ob, oy, g: ga, p: kp, width: n.size });
                 });
                 return;
             }
             for_each(&outer, |oa, ob, oy| {
-                for_each(&summed, |ka, kb, _| axpy(&mut y[oy..oy + n.size], a[oa + ka], &b[ob + kb..ob + kb + n.size]));
+                for_each(&summed, |ka, kb, _| {
+                    kernels::attention::axpy(&mut y[oy..oy + n.size], a[oa + ka], &b[ob + kb..ob + kb + n.size])
+                });
             });
             return;
         }
