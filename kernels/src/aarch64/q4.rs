@@ -97,6 +97,7 @@ fn sdot(acc: int32x4_t, a: int8x16_t, b: int8x16_t) -> int32x4_t {
 /// NEON and dotprod; `xq` holds `M` rows of `w.groups` groups, `y` `M` rows of
 /// `y_stride ≥ w.n`.
 #[target_feature(enable = "neon,dotprod")]
+#[allow(clippy::needless_range_loop)] // index loops: iterator adapters were not inlined here (see below)
 pub(crate) unsafe fn gemm_sdot<const M: usize>(w: &Q4Weights, xq: &[QGroup], y: &mut [f32], y_stride: usize) {
     let groups = w.groups;
     let xp = xq.as_ptr();
@@ -116,29 +117,43 @@ pub(crate) unsafe fn gemm_sdot<const M: usize>(w: &Q4Weights, xq: &[QGroup], y: 
                 unsafe {
                     let at = nib.add(4 * g);
                     prefetch_ahead(at);
-                    let xg: [*const QGroup; M] = std::array::from_fn(|m| xp.add(m * groups + g));
                     // per activation row: Σ over the four quadruples of each block of −8 Σ q,
-                    // and the blocks' scales d_x (lanes 0–3 of `d`)
-                    let corr: [int32x4_t; M] = std::array::from_fn(|m| {
+                    // and the blocks' scales d_x (lanes 0–3 of `d`). Plain loops, not
+                    // `array::from_fn` or `map`: their closures would not inline into this
+                    // function's target features (a call per row in the release build)
+                    let mut xg = [std::ptr::null::<QGroup>(); M];
+                    let mut corr = [vdupq_n_s32(0); M];
+                    let mut dx = [vdupq_n_f32(0.0); M];
+                    for m in 0..M {
+                        xg[m] = xp.add(m * groups + g);
                         let c = std::ptr::addr_of!((*xg[m]).corr).cast::<i32>();
-                        vaddq_s32(vaddq_s32(vld1q_s32(c), vld1q_s32(c.add(4))), vaddq_s32(vld1q_s32(c.add(8)), vld1q_s32(c.add(12))))
-                    });
-                    let dx: [float32x4_t; M] = std::array::from_fn(|m| vld1q_f32(std::ptr::addr_of!((*xg[m]).d).cast()));
-                    for (i, (acc, di)) in acc.iter_mut().zip(&d).enumerate() {
+                        corr[m] = vaddq_s32(
+                            vaddq_s32(vld1q_s32(c), vld1q_s32(c.add(4))),
+                            vaddq_s32(vld1q_s32(c.add(8)), vld1q_s32(c.add(12))),
+                        );
+                        dx[m] = vld1q_f32(std::ptr::addr_of!((*xg[m]).d).cast());
+                    }
+                    for i in 0..4 {
+                        let (acc, di) = (&mut acc[i], &d[i]);
                         let b = at.add(i).cast::<u8>();
-                        let v: [uint8x16_t; 4] = std::array::from_fn(|c| vld1q_u8(b.add(16 * c)));
-                        let lo = v.map(|v| vreinterpretq_s8_u8(vandq_u8(v, nibble)));
-                        let hi = v.map(|v| vreinterpretq_s8_u8(vshrq_n_u8::<4>(v)));
+                        let (mut lo, mut hi) = ([vdupq_n_s8(0); 4], [vdupq_n_s8(0); 4]);
+                        for c in 0..4 {
+                            let v = vld1q_u8(b.add(16 * c));
+                            lo[c] = vreinterpretq_s8_u8(vandq_u8(v, nibble));
+                            hi[c] = vreinterpretq_s8_u8(vshrq_n_u8::<4>(v));
+                        }
                         let dw = vld1q_f32(di.as_ptr().add(4 * j));
                         for m in 0..M {
                             let (xl, xh) =
                                 (std::ptr::addr_of!((*xg[m]).lo).cast::<i8>(), std::ptr::addr_of!((*xg[m]).hi).cast::<i8>());
-                            let mut s = corr[m];
+                            // two chains of four `sdot` (the low and the high nibbles), not
+                            // one of eight: half the latency; integer sums, so the same result
+                            let (mut sl, mut sh) = (corr[m], vdupq_n_s32(0));
                             for c in 0..4 {
-                                s = sdot(s, lo[c], vld1q_s8(xl.add(16 * c)));
-                                s = sdot(s, hi[c], vld1q_s8(xh.add(16 * c)));
+                                sl = sdot(sl, lo[c], vld1q_s8(xl.add(16 * c)));
+                                sh = sdot(sh, hi[c], vld1q_s8(xh.add(16 * c)));
                             }
-                            acc[m] = vfmaq_f32(acc[m], vcvtq_f32_s32(s), vmulq_f32(dw, dx[m]));
+                            acc[m] = vfmaq_f32(acc[m], vcvtq_f32_s32(vaddq_s32(sl, sh)), vmulq_f32(dw, dx[m]));
                         }
                     }
                 }
@@ -205,18 +220,24 @@ pub(crate) unsafe fn gemm_neon<const M: usize>(w: &Q4Weights, x: &[f32], y: &mut
                 // SAFETY: group g of the panel; 32 floats of each x row at block h of group g
                 // (the rows hold kp = 128 · groups floats).
                 unsafe {
-                    let xb: [*const f32; M] = std::array::from_fn(|m| xp.add(m * kp + g * 128 + 32 * h));
-                    // 8 Σ x of the block per lane (lane l: the values l mod 4), per activation row
-                    let sx: [float32x4_t; M] = std::array::from_fn(|m| {
+                    // 8 Σ x of the block per lane (lane l: the values l mod 4), per activation
+                    // row (plain loops: see gemm_sdot)
+                    let mut xb = [std::ptr::null::<f32>(); M];
+                    let mut sx = [vdupq_n_f32(0.0); M];
+                    for m in 0..M {
+                        xb[m] = xp.add(m * kp + g * 128 + 32 * h);
                         let mut s = vld1q_f32(xb[m]);
                         for c in 1..8 {
                             s = vaddq_f32(s, vld1q_f32(xb[m].add(4 * c)));
                         }
-                        vmulq_n_f32(s, 8.0)
-                    });
+                        sx[m] = vmulq_n_f32(s, 8.0);
+                    }
                     for i in 0..4 {
                         let q = nib.add(4 * g + i).cast::<u32>();
-                        let v: [uint32x4_t; 4] = std::array::from_fn(|c| vld1q_u32(q.add(4 * c)));
+                        let mut v = [vdupq_n_u32(0); 4];
+                        for (c, v) in v.iter_mut().enumerate() {
+                            *v = vld1q_u32(q.add(4 * c));
+                        }
                         let mut t = [vdupq_n_f32(0.0); M];
                         match h {
                             0 => block_neon::<M, 0, 4>(&v, xb, &mut t),
