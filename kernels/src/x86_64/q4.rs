@@ -294,6 +294,7 @@ pub(crate) unsafe fn gemm_vnni<const M: usize>(w: &Q4Weights, xq: &[QGroup], y: 
 /// AVX2, FMA, F16C and AVX-VNNI; `xq` holds `M` rows of `w.groups` groups, `y` `M` rows of
 /// `y_stride ≥ w.n`.
 #[target_feature(enable = "avx2,f16c,fma,avxvnni")]
+#[allow(clippy::needless_range_loop)] // index loops: see the comment in the loop
 pub(crate) unsafe fn gemm_avxvnni<const M: usize>(w: &Q4Weights, xq: &[QGroup], y: &mut [f32], y_stride: usize) {
     let groups = w.groups;
     let xp = xq.as_ptr();
@@ -313,14 +314,20 @@ pub(crate) unsafe fn gemm_avxvnni<const M: usize>(w: &Q4Weights, xq: &[QGroup], 
                 unsafe {
                     let at = nib.add(4 * g);
                     prefetch_ahead(at);
-                    let xg: [*const QGroup; M] = std::array::from_fn(|m| xp.add(m * groups + g));
-                    // per activation row: the two halves' −8 Σ q added, and d_x of blocks 0–3 twice
-                    let corr: [__m256i; M] = std::array::from_fn(|m| {
+                    // per activation row: the two halves' −8 Σ q added, and d_x of blocks 0–3
+                    // twice. Plain loops, not `array::from_fn` or `zip`: their closures and
+                    // adapters stay calls inside a #[target_feature] function (release build)
+                    let mut xg = [std::ptr::null::<QGroup>(); M];
+                    let mut corr = [_mm256_setzero_si256(); M];
+                    let mut dx = [_mm256_setzero_ps(); M];
+                    for m in 0..M {
+                        xg[m] = xp.add(m * groups + g);
                         let c = std::ptr::addr_of!((*xg[m]).corr).cast::<__m256i>();
-                        _mm256_add_epi32(_mm256_load_si256(c), _mm256_load_si256(c.add(1)))
-                    });
-                    let dx: [__m256; M] = std::array::from_fn(|m| _mm256_load_ps(std::ptr::addr_of!((*xg[m]).d).cast()));
-                    for (i, (acc, di)) in acc.iter_mut().zip(&d).enumerate() {
+                        corr[m] = _mm256_add_epi32(_mm256_load_si256(c), _mm256_load_si256(c.add(1)));
+                        dx[m] = _mm256_load_ps(std::ptr::addr_of!((*xg[m]).d).cast());
+                    }
+                    for i in 0..4 {
+                        let (acc, di) = (&mut acc[i], &d[i]);
                         let v = at.add(i).cast::<__m256i>();
                         let (v0, v1) = (_mm256_load_si256(v), _mm256_load_si256(v.add(1)));
                         let (lo0, lo1) = (_mm256_and_si256(v0, nibble), _mm256_and_si256(v1, nibble));
