@@ -1,12 +1,12 @@
 //! The attention's products of a decode step on the operands as they lie in memory (moved here
 //! from `backend_tract::runtime_matmul`, which matches tract's einsums and walks their axes;
 //! issue 36): the scores `q · kᵀ` as dot products over the head dimension, the weighted sum
-//! `p · v` as `axpy`s over the cached values' rows, and on AVX-512 tiles of both that read each
-//! cached row once for all the query heads that share it ([`dots`], [`axpys`]). The dot
-//! product and `axpy` are plain loops (`crate::portable::attention`) that the compiler
-//! vectorizes, compiled for AVX2 + FMA where the CPU has them (`crate::x86_64::attention`) and
-//! for NEON on aarch64 (the baseline there). The sums are float32 in an order of their own
-//! (sixteen running sums in [`dot`]).
+//! `p · v` as `axpy`s over the cached values' rows, and tiles of both that read each cached row
+//! once for all the query heads that share it ([`dots`], [`axpys`]: AVX-512 on x86-64, NEON on
+//! aarch64). The dot product and `axpy` are plain loops (`crate::portable::attention`) that the
+//! compiler vectorizes, compiled for AVX2 + FMA where the CPU has them
+//! (`crate::x86_64::attention`) and for NEON on aarch64 (the baseline there). The sums are
+//! float32 in an order of their own (sixteen running sums in [`dot`]).
 
 use crate::portable::attention::{axpy_lanes, dot_lanes};
 
@@ -43,15 +43,19 @@ pub struct Tile {
     pub width: usize,
 }
 
-/// Whether [`dots`] takes a tile of `rows` rows of width `k` on this CPU (AVX-512F, 2 to 4
-/// rows, `k` a multiple of 16 up to 512); false elsewhere, where the callers' loops of [`dot`]
-/// run.
+/// Whether [`dots`] takes a tile of `rows` rows of width `k` on this CPU (2 to 4 rows, `k` a
+/// multiple of 16 up to 512; on x86-64 with AVX-512F, on aarch64 with NEON); false elsewhere,
+/// where the callers' loops of [`dot`] run.
 pub fn dots_fit(rows: usize, k: usize) -> bool {
     #[cfg(target_arch = "x86_64")]
     {
         crate::x86_64::attention::tiles::dots_fit(rows, k)
     }
-    #[cfg(not(target_arch = "x86_64"))]
+    #[cfg(target_arch = "aarch64")]
+    {
+        crate::aarch64::attention::dots_fit(rows, k)
+    }
+    #[cfg(not(any(target_arch = "x86_64", target_arch = "aarch64")))]
     {
         let _ = (rows, k);
         false
@@ -79,7 +83,12 @@ pub fn dots(a: &[f32], b: &[f32], y: &mut [f32], t: Tile) -> bool {
     unsafe {
         crate::x86_64::attention::tiles::dots(a, b, y, t)
     };
-    #[cfg(not(target_arch = "x86_64"))]
+    #[cfg(target_arch = "aarch64")]
+    // SAFETY: as above (NEON is part of every aarch64 target).
+    unsafe {
+        crate::aarch64::attention::dots(a, b, y, t)
+    };
+    #[cfg(not(any(target_arch = "x86_64", target_arch = "aarch64")))]
     let _ = (a, b, y);
     true
 }
@@ -99,7 +108,12 @@ pub fn axpys(a: &[f32], b: &[f32], y: &mut [f32], t: Tile) -> bool {
     unsafe {
         crate::x86_64::attention::tiles::axpys(a, b, y, t)
     };
-    #[cfg(not(target_arch = "x86_64"))]
+    #[cfg(target_arch = "aarch64")]
+    // SAFETY: as in `dots`.
+    unsafe {
+        crate::aarch64::attention::axpys(a, b, y, t)
+    };
+    #[cfg(not(any(target_arch = "x86_64", target_arch = "aarch64")))]
     let _ = (a, b, y);
     true
 }
