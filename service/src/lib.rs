@@ -18,6 +18,7 @@
 //! ([`SpeakerSettings`]) that the binary fills from its configuration in one function.
 
 pub mod cancel;
+pub mod conns;
 pub mod fifo;
 pub mod front;
 pub mod http;
