@@ -96,9 +96,10 @@ def counts(pid: int) -> tuple[int, int]:
 
 def bound(server, proto: str, connections: int) -> tuple[int, int]:
     """The most descriptors and threads the process may have with `connections` open on `proto`
-    (plus one being accepted, one being refused and one connection of the other front-end)."""
+    (plus one being accepted, one being refused, one connection of the other front-end, and a
+    few threads whose connections are closed but which have not exited yet)."""
     fds = server["base_fds"] + FDS_PER[proto] * (connections + 1) + 2 + max(FDS_PER.values())
-    threads = server["base_threads"] + (connections + 2 if proto == "wyoming" else 0)
+    threads = server["base_threads"] + (connections + 4 if proto == "wyoming" else 0)
     return fds, threads
 
 
