@@ -212,6 +212,10 @@ def test_a_burst_of_1000_held_connections_stays_within_the_limit(server, proto):
             assert retry(lambda: healthz(server) == 200)
         else:
             assert retry(lambda: wyoming_describe(port))
+        # the refusals are logged (at most one info line per 10 s), the evictions are not
+        log = server["log"].read_text(errors="replace")
+        assert re.search(rf"INFO.*{proto}: 127\.0\.0\.1:\d+: refused: \d+ connections open .*serve\.max_connections = {MAX}", log), log[-2000:]
+        assert log.count(f"{proto}: ") < 100, "a burst does not flood the log"
     finally:
         for s in socks:
             s.close()
