@@ -408,8 +408,10 @@ settings! {
         /// refused at once as busy (Wyoming `error` with code `busy`, HTTP 503), never queued
         /// without bound. The FIFO waits for room instead.
         queue_length: usize = 4, Within(QUEUE_LENGTH);
-        /// Connections each network server keeps open at once; one more is refused (Wyoming:
-        /// an `error` event `busy`, HTTP: 503) and closed.
+        /// Connections each network server keeps open at once, counted until their sockets
+        /// close. One more makes room by closing an idle or slow one (per-address fairness,
+        /// then oldest first, [reliability.md](reliability.md#a-hostile-lan)); when none may
+        /// close, it is refused (Wyoming: an `error` event `busy`, HTTP: 503) and closed.
         max_connections: usize = 16, Within(MAX_CONNECTIONS);
         /// The longest text a network request may carry, in characters (4096 is the OpenAI
         /// speech API's limit; up to 100,000, read in segments like any long text,

@@ -673,7 +673,8 @@ impl Engine {
                     if callback_error.is_none() && !cancel.load(Ordering::Relaxed) {
                         let chunk = PcmChunk { index, first_frame: first, frames: n, samples: &buf[..len], ready_at };
                         if let Err(e) = on_chunk(&chunk) {
-                            log::warn!("audio consumer failed: {e}; cancelling the utterance");
+                            // the caller reports its consumer's failure (a client that hung up, a device)
+                            log::debug!("audio consumer failed: {e}; cancelling the utterance");
                             callback_error = Some(e);
                             stop.store(true, Ordering::Relaxed);
                             decode_peer.wake();
@@ -742,7 +743,7 @@ impl Engine {
             decode_retained_bytes: self.decode_pool.stats().retained_bytes,
             vocoder_retained_bytes: self.vocoder_pool.stats().retained_bytes,
         };
-        log::info!("{memory}");
+        log::debug!("{memory}");
         Ok(Report {
             frames,
             samples,

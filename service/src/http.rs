@@ -90,11 +90,15 @@
 //!   response that makes no progress for this long is cut (above).
 //! - `idle_timeout`: a connection with no request in progress (before the first, or between
 //!   keep-alive requests) is closed after this long.
-//! - `max_connections`: connections served at once. When one more arrives, the connection idle
-//!   the longest (no request in progress, for at least [`EVICTABLE_AFTER`]) is closed to make
-//!   room; only when there is none (every connection busy with a request, or just opened) is
-//!   the new one answered `503` (code `busy`, `Retry-After: 1`, `Connection: close`) and closed
-//!   without being read as a request. `max_connections` refused connections at a time get up
+//! - `max_connections`: connections served at once, counted until their sockets are closed
+//!   ([`crate::conns`], shared with Wyoming). When one more arrives, a connection with no
+//!   request in progress, or whose request head or body is still arriving (slowloris), is closed
+//!   to make room, by per-address fairness then oldest first (a connection that has sent
+//!   nothing yet gets [`FRESH_GRACE`](crate::conns::FRESH_GRACE) first); only when there is none
+//!   (every connection answering a request, or just opened) is the new one answered `503` (code
+//!   `busy`, `Retry-After: 1`, `Connection: close`) and closed without being read as a request.
+//!   At most [`slack`](crate::conns::slack) connections on their way out count besides the
+//!   limit. `max_connections` refused connections at a time get up
 //!   to a second to take that answer; the ones beyond get it as far as their fresh socket takes
 //!   it at once (a request that arrives after the close may reset it away). Refusals are logged
 //!   at info level at most once every 10 s, else at debug level.
@@ -113,14 +117,13 @@
 //! (a job cut by the stop ends its stream normally). [`HttpServer::finish_shutdown`] waits for
 //! them until a deadline and closes what is left.
 
-use std::collections::HashMap;
 use std::convert::Infallible;
 use std::io::{self, Read, Write};
 use std::net::SocketAddr;
 use std::os::fd::AsFd;
 use std::pin::Pin;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
-use std::sync::{Arc, Mutex, MutexGuard, OnceLock};
+use std::sync::{Arc, Mutex, MutexGuard, OnceLock, Weak};
 use std::task::{Context, Poll};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
@@ -138,6 +141,7 @@ use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt, ReadBuf};
 use tokio::net::TcpStream;
 use tokio::sync::{Notify, mpsc, oneshot, watch};
 
+use crate::conns::{Activity, Closer, Member, RefusalLog, Table, Tracker};
 use crate::front::{Front, RequestError, Slot, VoiceInfo};
 use crate::queue::{JobHandle, Refused};
 use crate::speaker::{JobError, Spoken};
@@ -176,13 +180,6 @@ pub const SEND_BUFFER_BYTES: u32 = 128 * 1024;
 const RETRY_AFTER_S: u32 = 1;
 /// How long a refused connection (over `max_connections`) is given to take its 503.
 const REFUSE_TIME: Duration = Duration::from_secs(1);
-/// How long a connection must have been idle (no request in progress) before it may be closed
-/// to make room for a new one: a new connection has this long to send its first request, so
-/// that a burst of connections does not close one another before their requests arrive (they
-/// are answered busy instead).
-pub const EVICTABLE_AFTER: Duration = Duration::from_secs(1);
-/// At most one info line about refused connections per this time; the others go to debug.
-const REFUSAL_LOG_INTERVAL: Duration = Duration::from_secs(10);
 /// The response formats herald makes, for messages.
 const FORMATS: &str = "wav, pcm";
 /// The voices OpenAI's speech API has built in. Integrations hard-code them, so one the bundle
@@ -193,9 +190,9 @@ pub const OPENAI_VOICES: &[&str] =
 /// The settings of the HTTP server (`[serve]`).
 #[derive(Clone)]
 pub struct HttpSettings {
-    /// The most connections served at once. When one more arrives, the connection idle the
-    /// longest (no request in progress) is closed to make room; only when every one is busy
-    /// with a request is the new one answered 503 and closed. 0 counts as 1.
+    /// The most connections served at once. When one more arrives, an idle connection or one
+    /// whose request is still arriving is closed to make room ([`crate::conns`]); only when
+    /// none may is the new one answered 503 and closed. 0 counts as 1.
     pub max_connections: usize,
     /// A request's head and body must arrive within this time of its first byte, else the
     /// connection is closed (slow clients); also how long a response may make no progress (the
@@ -321,32 +318,26 @@ impl Drop for HttpServer {
 struct Shared {
     slot: Slot,
     settings: HttpSettings,
-    /// Connections being served.
-    open: AtomicUsize,
+    /// The connections being served ([`crate::conns`]): counted from the accept until the
+    /// socket is closed.
+    conns: Table,
     /// Connections being refused (over `max_connections`) with time to take their 503.
     refusing: AtomicUsize,
     /// Requests so far, for log lines.
     requests: AtomicU64,
-    /// The connections being served, by number: where one to close is chosen when a new one
-    /// arrives at the limit.
-    conns: Mutex<HashMap<u64, Arc<ConnState>>>,
-    /// Connections so far, for their numbers.
-    accepted: AtomicU64,
-    /// The last info line about refused connections, and how many were refused since.
-    refusals: Mutex<(Option<Instant>, u64)>,
+    /// The refused connections' log lines.
+    refusals: RefusalLog,
 }
 
 impl Shared {
     fn new(slot: Slot, settings: HttpSettings) -> Self {
         Shared {
             slot,
+            conns: Table::new(settings.max_connections),
             settings,
-            open: AtomicUsize::new(0),
             refusing: AtomicUsize::new(0),
             requests: AtomicU64::new(0),
-            conns: Mutex::default(),
-            accepted: AtomicU64::new(0),
-            refusals: Mutex::default(),
+            refusals: RefusalLog::default(),
         }
     }
 
@@ -355,94 +346,30 @@ impl Shared {
     }
 
     fn max_connections(&self) -> usize {
-        self.settings.max_connections.max(1)
-    }
-
-    fn conns(&self) -> MutexGuard<'_, HashMap<u64, Arc<ConnState>>> {
-        self.conns.lock().unwrap_or_else(|p| p.into_inner())
-    }
-
-    /// Ask the connection idle the longest (no request in progress, for at least
-    /// [`EVICTABLE_AFTER`]) to close, to make room for a new one; false when there is none.
-    fn evict_idle(&self) -> bool {
-        let now = Instant::now();
-        let conns = self.conns();
-        let victim = conns
-            .values()
-            .filter_map(|c| c.idle_since().filter(|t| now.saturating_duration_since(*t) >= EVICTABLE_AFTER).map(|t| (t, c)))
-            .min_by_key(|(t, _)| *t);
-        match victim {
-            Some((_, c)) => {
-                c.evict();
-                true
-            }
-            None => false,
-        }
-    }
-
-    /// Log a refused connection: at info level at most once every [`REFUSAL_LOG_INTERVAL`]
-    /// (with how many were refused meanwhile), else at debug level, so that a flood of
-    /// connections does not flood the journal.
-    fn log_refusal(&self, peer: SocketAddr, answered: bool) {
-        let what = if answered { "answered busy" } else { "answered busy, as far as the socket took it" };
-        let now = Instant::now();
-        let mut r = self.refusals.lock().unwrap_or_else(|p| p.into_inner());
-        if r.0.is_some_and(|last| now.saturating_duration_since(last) < REFUSAL_LOG_INTERVAL) {
-            r.1 += 1;
-            log::debug!("http: {peer}: no connection to spare (serve.max_connections); {what}");
-            return;
-        }
-        let more = std::mem::take(&mut r.1);
-        *r = (Some(now), 0);
-        drop(r);
-        let since = if more > 0 { format!(" ({more} more refused since the last such line)") } else { String::new() };
-        log::info!(
-            "http: {peer}: {} connections open (serve.max_connections), none of them idle for {:?}; {what}{since}",
-            self.max_connections(),
-            EVICTABLE_AFTER
-        );
+        self.conns.max()
     }
 }
 
-/// Counts a connection (served or refused) from its accept until its task ends; counted at
-/// the accept, so that a burst of connections cannot pass the limit before their tasks run.
-/// A served one is listed in [`Shared::conns`] meanwhile.
-struct Counted {
-    shared: Arc<Shared>,
-    /// `None`: a refused connection.
-    served: Option<u64>,
-}
+/// Counts a refused connection while it takes its 503.
+struct Refusing(Arc<Shared>);
 
-impl Counted {
-    fn served(shared: &Arc<Shared>, state: &Arc<ConnState>) -> Self {
-        let n = shared.accepted.fetch_add(1, Ordering::Relaxed);
-        shared.conns().insert(n, Arc::clone(state));
-        shared.open.fetch_add(1, Ordering::SeqCst);
-        Counted { shared: Arc::clone(shared), served: Some(n) }
-    }
-
-    fn refused(shared: &Arc<Shared>) -> Self {
+impl Refusing {
+    fn new(shared: &Arc<Shared>) -> Self {
         shared.refusing.fetch_add(1, Ordering::SeqCst);
-        Counted { shared: Arc::clone(shared), served: None }
+        Refusing(Arc::clone(shared))
     }
 }
 
-impl Drop for Counted {
+impl Drop for Refusing {
     fn drop(&mut self) {
-        match self.served {
-            Some(n) => {
-                self.shared.conns().remove(&n);
-                self.shared.open.fetch_sub(1, Ordering::SeqCst);
-            }
-            None => {
-                self.shared.refusing.fetch_sub(1, Ordering::SeqCst);
-            }
-        }
+        self.0.refusing.fetch_sub(1, Ordering::SeqCst);
     }
 }
 
 /// How often the accept loop looks at the process-wide stop.
 const STOP_POLL: Duration = Duration::from_millis(50);
+/// How often a full accept loop ([`crate::conns::Table::full`]) looks for room again.
+const FULL_POLL: Duration = Duration::from_millis(2);
 
 async fn serve(listener: tokio::net::TcpListener, slot: Slot, settings: HttpSettings, mut control: watch::Receiver<Control>) {
     let shared = Arc::new(Shared::new(slot, settings));
@@ -452,8 +379,12 @@ async fn serve(listener: tokio::net::TcpListener, slot: Slot, settings: HttpSett
         if *control.borrow_and_update() != Control::Run {
             break;
         }
+        let full = shared.conns.full();
         tokio::select! {
-            accepted = listener.accept() => match accepted {
+            // as many connections as may ever be open: accept no more until one has closed
+            // (new ones wait in the listen backlog meanwhile)
+            () = tokio::time::sleep(FULL_POLL), if full => {}
+            accepted = listener.accept(), if !full => match accepted {
                 Ok((stream, peer)) => admit(stream, peer, &shared, &closing_rx),
                 Err(e) => {
                     // EMFILE and friends: wait a little instead of spinning
@@ -474,7 +405,7 @@ async fn serve(listener: tokio::net::TcpListener, slot: Slot, settings: HttpSett
     // idle connections close at once, the others after their response
     closing.send_replace(true);
     loop {
-        let open = shared.open.load(Ordering::SeqCst);
+        let open = shared.conns.open();
         if open == 0 {
             break;
         }
@@ -504,29 +435,39 @@ async fn serve(listener: tokio::net::TcpListener, slot: Slot, settings: HttpSett
 }
 
 fn admit(stream: TcpStream, peer: SocketAddr, shared: &Arc<Shared>, closing: &watch::Receiver<bool>) {
-    if shared.open.load(Ordering::SeqCst) >= shared.max_connections() && !shared.evict_idle() {
-        if shared.refusing.load(Ordering::SeqCst) >= shared.max_connections() {
-            // as many are taking their 503 already: this one gets it at once, as far as its
-            // socket takes it, and no time
-            shared.log_refusal(peer, false);
-            refuse_now(stream);
+    let state = Arc::new(ConnState::new(Instant::now()));
+    let closer: Closer = {
+        let state: Weak<ConnState> = Arc::downgrade(&state);
+        Box::new(move || {
+            if let Some(s) = state.upgrade() {
+                s.evict.notify_one();
+            }
+        })
+    };
+    let member = match shared.conns.admit(peer.ip(), closer) {
+        Ok(m) => m,
+        Err(refusal) => {
+            if shared.refusing.load(Ordering::SeqCst) >= shared.max_connections() {
+                // as many are taking their 503 already: this one gets it at once, as far as
+                // its socket takes it, and no time
+                shared.refusals.log("http", peer, refusal, shared.max_connections(), "answered busy, as far as the socket took it");
+                refuse_now(stream);
+                return;
+            }
+            shared.refusals.log("http", peer, refusal, shared.max_connections(), "answered busy");
+            let refusing = Refusing::new(shared);
+            tokio::spawn(async move {
+                refuse(stream).await;
+                drop(refusing);
+            });
             return;
         }
-        shared.log_refusal(peer, true);
-        let counted = Counted::refused(shared);
-        tokio::spawn(async move {
-            refuse(stream).await;
-            drop(counted);
-        });
-        return;
-    }
-    let state = Arc::new(ConnState::new(Instant::now()));
-    let counted = Counted::served(shared, &state);
+    };
+    let _ = state.tracker.set(member.tracker().clone());
     let closing = closing.clone();
+    let shared = Arc::clone(shared);
     tokio::spawn(async move {
-        let shared = Arc::clone(&counted.shared);
-        connection(stream, peer, shared, state, closing).await;
-        drop(counted);
+        connection(stream, peer, shared, state, member, closing).await;
     });
 }
 
@@ -600,8 +541,6 @@ struct Watched {
     /// Since when a write to the client's socket has been waiting for room (`None`: the last
     /// write went through).
     write_blocked: Option<Instant>,
-    /// Asked to close to make room for a new connection.
-    evicted: bool,
     /// The client closed its side (its FIN came) while a response was in progress.
     peer_closed: bool,
 }
@@ -617,14 +556,17 @@ struct ConnState {
     closed_early: Notify,
     /// Told when the connection is to close to make room for a new one.
     evict: Notify,
+    /// Its entry in the connection table, told of each phase ([`crate::conns`]).
+    tracker: OnceLock<Tracker>,
 }
 
 impl ConnState {
     fn new(now: Instant) -> Self {
         ConnState {
-            watched: Mutex::new(Watched { phase: Phase::Idle(now), write_blocked: None, evicted: false, peer_closed: false }),
+            watched: Mutex::new(Watched { phase: Phase::Idle(now), write_blocked: None, peer_closed: false }),
             closed_early: Notify::new(),
             evict: Notify::new(),
+            tracker: OnceLock::new(),
         }
     }
 
@@ -633,11 +575,20 @@ impl ConnState {
         self.watched.lock().unwrap_or_else(|p| p.into_inner())
     }
 
+    /// Tell the connection table what the connection does.
+    fn track(&self, activity: Activity) {
+        if let Some(t) = self.tracker.get() {
+            t.set(activity);
+        }
+    }
+
     /// Bytes came in: an idle connection now has a request arriving.
     fn read(&self, now: Instant) {
         let mut w = self.watched();
         if let Phase::Idle(_) = w.phase {
             w.phase = Phase::Request(now);
+            drop(w);
+            self.track(Activity::Arriving);
         }
     }
 
@@ -659,6 +610,8 @@ impl ConnState {
             // read ahead while the previous answer was sent (pipelining)
             Phase::Idle(_) | Phase::Responding => {
                 w.phase = Phase::Request(now);
+                drop(w);
+                self.track(Activity::Arriving);
                 now
             }
         }
@@ -667,6 +620,7 @@ impl ConnState {
     /// The request is in; only a stalled response is timed out until the answer is sent.
     fn responding(&self) {
         self.watched().phase = Phase::Responding;
+        self.track(Activity::Busy);
     }
 
     fn is_responding(&self) -> bool {
@@ -676,21 +630,7 @@ impl ConnState {
     /// The answer was sent.
     fn idle(&self, now: Instant) {
         self.watched().phase = Phase::Idle(now);
-    }
-
-    /// Since when the connection has been idle, unless it was asked to close already.
-    fn idle_since(&self) -> Option<Instant> {
-        let w = self.watched();
-        match w.phase {
-            Phase::Idle(t) if !w.evicted => Some(t),
-            _ => None,
-        }
-    }
-
-    /// Ask the connection to close (to make room).
-    fn evict(&self) {
-        self.watched().evicted = true;
-        self.evict.notify_one();
+        self.track(Activity::Idle);
     }
 
     /// The client closed its side during a response: tell [`closed_early`](Self::closed_early)
@@ -821,18 +761,33 @@ fn set_option(socket: &std::net::TcpStream, set: impl FnOnce(&tokio::net::TcpSoc
     }
 }
 
+/// Serve one connection until it closes; `member` counts it until then (dropped after the
+/// socket and its probe are).
 async fn connection(
     stream: TcpStream,
     peer: SocketAddr,
     shared: Arc<Shared>,
     state: Arc<ConnState>,
+    member: Member,
+    closing: watch::Receiver<bool>,
+) {
+    serve_connection(stream, peer, &shared, &state, closing).await;
+    state.track(Activity::Closing);
+    drop(member);
+}
+
+async fn serve_connection(
+    stream: TcpStream,
+    peer: SocketAddr,
+    shared: &Arc<Shared>,
+    state: &Arc<ConnState>,
     mut closing: watch::Receiver<bool>,
 ) {
     let _ = stream.set_nodelay(true);
     let probe = probe(&stream);
-    let io = TokioIo::new(Tracked { inner: stream, state: Arc::clone(&state) });
+    let io = TokioIo::new(Tracked { inner: stream, state: Arc::clone(state) });
     let service = {
-        let (shared, state) = (Arc::clone(&shared), Arc::clone(&state));
+        let (shared, state) = (Arc::clone(shared), Arc::clone(state));
         service_fn(move |req: Request<Incoming>| {
             let (shared, state) = (Arc::clone(&shared), Arc::clone(&state));
             async move { Ok::<_, Infallible>(handle(req, peer, &shared, state).await) }
@@ -862,18 +817,22 @@ async fn connection(
         let responding = state.is_responding();
         let wait = if responding { tick.min(WATCH_INTERVAL) } else { tick };
         tokio::select! {
+            // first: a connection chosen to make room was idle or had its request arriving
+            // then; it must not answer a request completed since
+            biased;
+            () = state.evict.notified(), if !shutting => {
+                log::debug!("http: {peer}: closed to make room for a new connection (serve.max_connections)");
+                return;
+            }
             ended = conn.as_mut() => {
+                // what hyper answered itself (400 for what it cannot parse, 431), or a client that
+                // hung up mid-request
                 if let Err(e) = ended {
-                    log::debug!("http: {peer}: {e}");
+                    log::info!("http: {peer}: {e}; connection closed");
                 }
                 return;
             }
             _ = closing.changed(), if !shutting => {}
-            () = state.evict.notified(), if !shutting => {
-                log::debug!("http: {peer}: idle; closed to make room for a new connection (serve.max_connections)");
-                shutting = true;
-                conn.as_mut().graceful_shutdown();
-            }
             () = tokio::time::sleep(wait) => {
                 match state.expired(Instant::now(), &shared.settings) {
                     Some(Expired::Idle) => {
@@ -1390,10 +1349,25 @@ async fn handle(req: Request<Incoming>, peer: SocketAddr, shared: &Shared, state
     let number = shared.requests.fetch_add(1, Ordering::Relaxed) + 1;
     let (method, path) = (req.method().clone(), req.uri().path().to_owned());
     log::debug!("http: request {number} from {peer}: {method} {path}");
+    let route = route(&method, &path);
     let mut response = match respond(req, number, peer, shared, &state, started).await {
-        Ok(r) => r,
+        Ok(r) => {
+            // a speech or a say logs its outcome when its job ends; the health check, which
+            // monitors poll, only at debug level
+            match route {
+                Route::Speech | Route::Say => {}
+                Route::Health => log::debug!("http: request {number} from {peer}: {method} {path}: {}", r.status().as_u16()),
+                _ => log::info!("http: request {number} from {peer}: {method} {path}: {}", r.status().as_u16()),
+            }
+            r
+        }
         Err(e) => {
-            log::debug!("http: request {number}: {} {}", e.status.as_u16(), e.message);
+            // a job's own failure (500) is logged where it failed
+            if e.status == StatusCode::INTERNAL_SERVER_ERROR {
+                log::debug!("http: request {number} from {peer}: {method} {path}: {} {}", e.status.as_u16(), e.message);
+            } else {
+                log::info!("http: request {number} from {peer}: {method} {path}: {} {}", e.status.as_u16(), e.message);
+            }
             e.response()
         }
     };
@@ -1556,6 +1530,7 @@ async fn speech(body: &[u8], number: u64, peer: SocketAddr, shared: &Shared, sta
     };
     let request = front.request(&params.input, voice, params.language.as_deref()).map_err(|e| ApiError::request(&e))?;
     let chars = params.input.chars().count();
+    let what = format!("{number} from {peer}: speech of {chars} characters");
     let (tx, mut rx) = mpsc::channel::<Event>(CHANNEL_MESSAGES);
     // the connection's watchdog closes a response that makes no progress for request_timeout
     // (and that cancels the job); this is the backstop should the speaker wait that long anyway
@@ -1563,7 +1538,7 @@ async fn speech(body: &[u8], number: u64, peer: SocketAddr, shared: &Shared, sta
     let failure: Failure = Arc::default();
     let watcher = {
         let (failure, tx) = (Arc::clone(&failure), tx.clone());
-        job_thread("herald-http-job", move |handle| watch_job(handle, tx, &failure, number))?
+        job_thread("herald-http-job", move |handle| watch_job(handle, tx, &failure, &what))?
     };
     let target = format!("HTTP client {peer}");
     let sink = match params.format {
@@ -1578,10 +1553,7 @@ async fn speech(body: &[u8], number: u64, peer: SocketAddr, shared: &Shared, sta
             // loses the early head, and the audio makes the response anyway
             let _ = began.try_send(Event::Began);
         })
-        .map_err(|r| {
-            log::info!("http: request {number}: refused: {r}");
-            ApiError::refused(&r)
-        })?;
+        .map_err(|r| ApiError::refused(&r))?;
     drop(tx);
     hand_over(&watcher, handle)?;
     // the head goes out when the job starts (or its first audio arrives), so that a job that
@@ -1617,7 +1589,7 @@ async fn speech(body: &[u8], number: u64, peer: SocketAddr, shared: &Shared, sta
 /// Wait for a streaming job's outcome on a thread of its own, cancelling the job when its
 /// client is gone (the response's receiver dropped), and tell the response how it ended before
 /// dropping the last sender.
-fn watch_job(handle: JobHandle, tx: mpsc::Sender<Event>, failure: &Failure, number: u64) {
+fn watch_job(handle: JobHandle, tx: mpsc::Sender<Event>, failure: &Failure, number: &str) {
     let mut cancelled = false;
     let outcome = loop {
         if let Some(o) = handle.wait_timeout(WATCH_INTERVAL) {
@@ -1646,8 +1618,9 @@ fn watch_job(handle: JobHandle, tx: mpsc::Sender<Event>, failure: &Failure, numb
     drop(tx);
 }
 
-/// Log a job's outcome; `stopped` says what a job cut short by the stop did.
-fn log_spoken(number: u64, spoken: &Spoken, cancelled: bool, stopped: &str) {
+/// Log a job's outcome; `number` names the request (`5 from 10.0.0.2:4711: say of 16
+/// characters`), `stopped` says what a job cut short by the stop did.
+fn log_spoken(number: &str, spoken: &Spoken, cancelled: bool, stopped: &str) {
     match &spoken.report {
         Some(report) => log::info!(
             "http: request {number}: {} frames ({:.2} s of audio) in {:.2} s, time to first audio {:.0} ms",
@@ -1663,7 +1636,7 @@ fn log_spoken(number: u64, spoken: &Spoken, cancelled: bool, stopped: &str) {
 
 /// Log a job that failed: at error level only for the server's own failures (the engine, the
 /// device, a bug), not for a job the stop cancelled before it started.
-fn log_failure(number: u64, e: &JobError) {
+fn log_failure(number: &str, e: &JobError) {
     match e {
         JobError::Cancelled => log::info!("http: request {number}: cancelled by the stop before it started"),
         JobError::Engine(engine::EngineError::Prompt(_)) => log::info!("http: request {number}: {}", crate::one_line(e)),
@@ -1677,21 +1650,19 @@ async fn say(body: &[u8], number: u64, peer: SocketAddr, shared: &Shared) -> Res
     let request =
         front.request(&params.input, params.voice.as_deref(), params.language.as_deref()).map_err(|e| ApiError::request(&e))?;
     let (done, outcome) = oneshot::channel();
+    let what = format!("{number} from {peer}: say of {} characters", params.input.chars().count());
     // the say goes on when the client goes away (nobody cancels it), and its outcome is logged
     // by its own thread, whether anyone still waits for it or not
     let waiter = job_thread("herald-http-say", move |handle| {
         let outcome = handle.wait();
         match &outcome {
-            Ok(spoken) => log_spoken(number, spoken, false, "the announcement was cut short"),
-            Err(e) => log_failure(number, e),
+            Ok(spoken) => log_spoken(&what, spoken, false, "the announcement was cut short"),
+            Err(e) => log_failure(&what, e),
         }
         let _ = done.send(outcome);
     })?;
-    let handle = front.play(request).map_err(|r| {
-        log::info!("http: request {number}: refused: {r}");
-        ApiError::refused(&r)
-    })?;
-    log::info!("http: request {number} from {peer}: say {} characters on the device", params.input.chars().count());
+    let handle = front.play(request).map_err(|r| ApiError::refused(&r))?;
+    log::debug!("http: request {number} from {peer}: say {} characters on the device", params.input.chars().count());
     hand_over(&waiter, handle)?;
     match outcome.await {
         Ok(Ok(spoken)) => {
@@ -1867,9 +1838,7 @@ mod tests {
         assert_eq!(s.expired(t0 + Duration::from_secs(105), &settings), Some(Expired::Stalled));
         s.wrote(true, t0 + Duration::from_secs(106));
         assert_eq!(s.expired(t0 + Duration::from_secs(1000), &settings), None);
-        assert_eq!(s.idle_since(), None, "a connection with a response in progress is not idle");
         s.idle(t0 + Duration::from_secs(1000));
-        assert_eq!(s.idle_since(), Some(t0 + Duration::from_secs(1000)));
         assert_eq!(s.expired(t0 + Duration::from_secs(1029), &settings), None);
         assert_eq!(s.expired(t0 + Duration::from_secs(1030), &settings), Some(Expired::Idle));
         assert_eq!(watchdog_tick(&settings), Duration::from_millis(250));
@@ -2153,8 +2122,7 @@ mod tests {
         });
         let a = server.local_addr();
         let mut held = std::net::TcpStream::connect(a).unwrap();
-        // the first connection is busy with a request (its head arriving, within its timeout)
-        held.write_all(b"GET /healthz HTTP/1.1\r\nHost: x\r\n").unwrap();
+        // the first connection has just opened (it gets FRESH_GRACE to send its request)
         std::thread::sleep(Duration::from_millis(100));
         let (status, body) = exchange(a, b"GET /healthz HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n");
         assert_eq!(status, "HTTP/1.1 503 Service Unavailable");
@@ -2168,8 +2136,8 @@ mod tests {
         let mut answer = String::new();
         taking.read_to_string(&mut answer).unwrap();
         assert!(answer.starts_with("HTTP/1.1 503") && answer.contains("retry-after: 1"), "{answer}");
-        // the busy connection was not touched: its request is answered
-        held.write_all(b"\r\n").unwrap();
+        // the fresh connection was not touched: its request is answered
+        held.write_all(b"GET /healthz HTTP/1.1\r\nHost: x\r\n\r\n").unwrap();
         let mut first = [0u8; 12];
         held.read_exact(&mut first).unwrap();
         assert_eq!(&first, b"HTTP/1.1 503");
@@ -2199,12 +2167,8 @@ mod tests {
         let mut oldest = idle_connection(a);
         std::thread::sleep(Duration::from_millis(20));
         let mut held: Vec<_> = (0..2).map(|_| idle_connection(a)).collect();
-        // connections idle for less than EVICTABLE_AFTER are kept: a burst is answered busy
-        let (_, body) = exchange(a, healthz);
-        assert!(body.contains(r#""code":"busy""#), "{body}");
         // the limit is reached, but every connection is idle: a new one is served, and the
         // one idle the longest is closed to make room
-        std::thread::sleep(EVICTABLE_AFTER);
         let (status, body) = exchange(a, healthz);
         assert_eq!((status.as_str(), body.as_str()), ("HTTP/1.1 503 Service Unavailable", r#"{"status":"loading"}"#));
         assert!(closed_by_server(&mut oldest));
@@ -2212,7 +2176,6 @@ mod tests {
         for _ in 0..3 {
             held.push(idle_connection(a));
         }
-        std::thread::sleep(EVICTABLE_AFTER);
         for _ in 0..3 {
             let (_, body) = exchange(a, healthz);
             assert_eq!(body, r#"{"status":"loading"}"#);

@@ -10,6 +10,8 @@
 //!   and the queued ones.
 //! - Front-ends call only the above: [`fifo`] today (`herald serve`); a Wyoming or HTTP server
 //!   goes beside it as another module.
+//! - [`conns`]: the connection limit the network front-ends share (counted until the socket
+//!   closes; which connection makes room for a new one).
 //! - [`notify`]: systemd's sd_notify(3) and the watchdog; [`output`]: the sinks and atomic file
 //!   writes; [`lookahead`]: the player thread that lets a long text's next segment be computed
 //!   while the last one plays.
@@ -18,6 +20,7 @@
 //! ([`SpeakerSettings`]) that the binary fills from its configuration in one function.
 
 pub mod cancel;
+pub mod conns;
 pub mod fifo;
 pub mod front;
 pub mod http;

@@ -27,7 +27,7 @@
 
 use std::io::{self, ErrorKind, Read, Write};
 use std::net::{Shutdown, SocketAddr, TcpListener, TcpStream};
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
@@ -35,6 +35,7 @@ use std::time::{Duration, Instant};
 use nix::poll::{PollFd, PollFlags};
 use serde_json::{Map, Value, json};
 
+use crate::conns::{Activity, Closer, RefusalLog, Table, Tracker};
 use crate::front::{Front, RequestError, Slot, language_code};
 use crate::queue::Refused;
 use crate::speaker::JobError;
@@ -53,6 +54,8 @@ pub const MAX_PAYLOAD_BYTES: usize = 1 << 20;
 pub const CHUNK_SAMPLES: usize = 1024;
 /// How often the accept loop and a waiting connection look at the stop and the client.
 const POLL: Duration = Duration::from_millis(50);
+/// How often a full accept loop ([`crate::conns::Table::full`]) looks for room again.
+const FULL_POLL: Duration = Duration::from_millis(2);
 /// The wire version written into every header (the `wyoming` package's version this server
 /// was tested against).
 pub const PROTOCOL_VERSION: &str = "1.10.2";
@@ -60,7 +63,8 @@ pub const PROTOCOL_VERSION: &str = "1.10.2";
 /// The settings of the Wyoming server (`[serve]`).
 #[derive(Debug, Clone)]
 pub struct WyomingSettings {
-    /// The most connections served at once; one more is told `busy` and closed.
+    /// The most connections served at once ([`crate::conns`]: at the limit an idle or slow
+    /// one makes room; when none may, a new one is told `busy` and closed).
     pub max_connections: usize,
     /// An event must arrive in full within this much time of its first byte (slow clients).
     pub request_timeout: Duration,
@@ -74,7 +78,7 @@ pub struct WyomingServer {
     addr: SocketAddr,
     shutdown: Arc<AtomicBool>,
     thread: Option<JoinHandle<()>>,
-    conns: Conns,
+    conns: Table,
 }
 
 impl WyomingServer {
@@ -87,7 +91,7 @@ impl WyomingServer {
         listener.set_nonblocking(true)?;
         let addr = listener.local_addr()?;
         let shutdown = Arc::new(AtomicBool::new(false));
-        let conns = Conns::default();
+        let conns = Table::new(settings.max_connections);
         let thread = {
             let (shutdown, conns) = (Arc::clone(&shutdown), conns.clone());
             std::thread::Builder::new()
@@ -113,16 +117,16 @@ impl WyomingServer {
         {
             log::error!("wyoming: the accept thread panicked");
         }
-        self.conns.close(|c| !c.busy.load(Ordering::SeqCst));
+        self.conns.close_all(|a| matches!(a, Activity::Idle | Activity::Arriving));
     }
 
     /// Wait until `deadline` for the busy connections to end, then close what is left.
     pub fn finish(mut self, deadline: Instant) {
         self.begin_shutdown();
-        while self.conns.len() > 0 && Instant::now() < deadline {
+        while self.conns.open() > 0 && Instant::now() < deadline {
             std::thread::sleep(Duration::from_millis(10));
         }
-        self.conns.close(|_| true);
+        self.conns.close_all(|_| true);
     }
 
     /// [`begin_shutdown`](Self::begin_shutdown), then [`finish`](Self::finish) within `grace`.
@@ -140,81 +144,16 @@ impl Drop for WyomingServer {
     }
 }
 
-/// One open connection, as the accept loop and the shutdown see it.
-#[derive(Debug)]
-struct ConnEntry {
-    id: u64,
-    /// A handle on the socket, to close it from outside its thread.
-    stream: TcpStream,
-    /// A job or a stream is in progress (not evicted, and given the grace at shutdown).
-    busy: Arc<AtomicBool>,
-    /// When it last finished an event.
-    idle_since: Arc<Mutex<Instant>>,
-}
-
-/// The open connections.
-#[derive(Debug, Clone, Default)]
-struct Conns(Arc<Mutex<Vec<ConnEntry>>>, Arc<AtomicU64>);
-
-impl Conns {
-    fn lock(&self) -> MutexGuard<'_, Vec<ConnEntry>> {
-        self.0.lock().unwrap_or_else(|p| p.into_inner())
-    }
-
-    fn len(&self) -> usize {
-        self.lock().len()
-    }
-
-    /// Register a connection; it is removed when the guard drops.
-    fn add(&self, stream: &TcpStream) -> io::Result<(ConnGuard, Arc<AtomicBool>, Arc<Mutex<Instant>>)> {
-        let id = self.1.fetch_add(1, Ordering::SeqCst);
-        let busy = Arc::new(AtomicBool::new(false));
-        let idle_since = Arc::new(Mutex::new(Instant::now()));
-        let entry = ConnEntry { id, stream: stream.try_clone()?, busy: Arc::clone(&busy), idle_since: Arc::clone(&idle_since) };
-        self.lock().push(entry);
-        Ok((ConnGuard { conns: self.clone(), id }, busy, idle_since))
-    }
-
-    /// Close (shut down both ways) every connection for which `which` holds; its thread then
-    /// sees the end of stream and ends.
-    fn close(&self, which: impl Fn(&ConnEntry) -> bool) {
-        for c in self.lock().iter().filter(|c| which(c)) {
-            let _ = c.stream.shutdown(Shutdown::Both);
-        }
-    }
-
-    /// Close the connection that has waited longest for its next event, if one is idle.
-    fn evict_idle(&self) -> bool {
-        let list = self.lock();
-        let oldest = list
-            .iter()
-            .filter(|c| !c.busy.load(Ordering::SeqCst))
-            .min_by_key(|c| *c.idle_since.lock().unwrap_or_else(|p| p.into_inner()));
-        match oldest {
-            Some(c) => {
-                let _ = c.stream.shutdown(Shutdown::Both);
-                true
-            }
-            None => false,
-        }
-    }
-}
-
-/// Removes a connection from [`Conns`] when dropped.
-struct ConnGuard {
-    conns: Conns,
-    id: u64,
-}
-
-impl Drop for ConnGuard {
-    fn drop(&mut self) {
-        self.conns.lock().retain(|c| c.id != self.id);
-    }
-}
-
-fn accept_loop(listener: &TcpListener, slot: &Slot, settings: &WyomingSettings, shutdown: &Arc<AtomicBool>, conns: &Conns) {
+fn accept_loop(listener: &TcpListener, slot: &Slot, settings: &WyomingSettings, shutdown: &Arc<AtomicBool>, conns: &Table) {
+    let refusals = RefusalLog::default();
     let stopped = || shutdown.load(Ordering::SeqCst) || slot.get().is_some_and(|f| f.stop_handle().is_stopped());
     while !stopped() {
+        if conns.full() {
+            // as many connections as may ever be open: accept no more until one has closed
+            // (new ones wait in the listen backlog meanwhile)
+            std::thread::sleep(FULL_POLL);
+            continue;
+        }
         let ready = {
             let mut fd = [PollFd::new(listener, PollFlags::POLLIN)];
             nix::poll::poll(&mut fd, POLL.as_millis() as i32).unwrap_or(0)
@@ -232,39 +171,51 @@ fn accept_loop(listener: &TcpListener, slot: &Slot, settings: &WyomingSettings, 
                 continue;
             }
         };
-        // at the limit, an idle connection (waiting for its next event) makes room: idle
-        // clients cannot lock others out; only when every connection is busy is one refused
-        if conns.len() >= settings.max_connections && !conns.evict_idle() {
-            log::info!("wyoming: {peer}: refused, {} connections busy (serve.max_connections)", settings.max_connections);
-            let _ = stream.set_nonblocking(false);
-            let _ = stream.set_write_timeout(Some(Duration::from_secs(1)));
-            let mut s = &stream;
-            let _ = s.write_all(&encode(
-                "error",
-                &json!({"text": format!("busy: {} connections already busy", settings.max_connections), "code": "busy"}),
-                &[],
-            ));
-            let _ = stream.shutdown(Shutdown::Both);
-            continue;
-        }
-        let (guard, busy, idle_since) = match conns.add(&stream) {
-            Ok(g) => g,
+        // the table's handle on the socket, to close it from outside this connection's thread
+        let closer: Closer = match stream.try_clone() {
+            Ok(dup) => Box::new(move || {
+                let _ = dup.shutdown(Shutdown::Both);
+            }),
             Err(e) => {
                 log::warn!("wyoming: {peer}: {e}");
                 continue;
             }
         };
+        // at the limit, an idle or slow connection makes room (crate::conns); only when none
+        // may is the new one refused
+        let member = match conns.admit(peer.ip(), closer) {
+            Ok(m) => m,
+            Err(refusal) => {
+                refusals.log("wyoming", peer, refusal, conns.max(), "told busy");
+                let _ = stream.set_nonblocking(false);
+                let _ = stream.set_write_timeout(Some(Duration::from_secs(1)));
+                let mut s = &stream;
+                let _ = s.write_all(&encode(
+                    "error",
+                    &json!({"text": format!("busy: {} connections open already (serve.max_connections)", conns.max()), "code": "busy"}),
+                    &[],
+                ));
+                let _ = stream.shutdown(Shutdown::Both);
+                continue;
+            }
+        };
         let (slot, settings, shutdown) = (slot.clone(), settings.clone(), Arc::clone(shutdown));
         let spawned = std::thread::Builder::new().name("herald-wyoming-conn".into()).spawn(move || {
-            let _guard = guard;
+            // counted until the socket is closed: the member goes last, after the connection
+            let member = member;
+            let tracker = member.tracker().clone();
             log::debug!("wyoming: {peer}: connected");
-            match Connection::new(stream, &slot, &settings, &shutdown, busy, idle_since) {
+            match Connection::new(stream, &slot, &settings, &shutdown, tracker.clone(), peer) {
                 Ok(mut c) => match c.serve() {
                     Ok(()) => log::debug!("wyoming: {peer}: closed"),
+                    Err(_) if tracker.evicted() => {
+                        log::debug!("wyoming: {peer}: closed to make room for a new connection (serve.max_connections)");
+                    }
                     Err(e) => log::info!("wyoming: {peer}: {e}; connection closed"),
                 },
-                Err(e) => log::warn!("wyoming: {peer}: {e}"),
+                Err(e) => log::info!("wyoming: {peer}: {e}"),
             }
+            drop(member);
         });
         if let Err(e) = spawned {
             log::error!("wyoming: cannot start a connection thread: {e}");
@@ -281,6 +232,9 @@ pub struct Event {
     pub data: Map<String, Value>,
     /// The payload (`payload_length` bytes; empty when none).
     pub payload: Vec<u8>,
+    /// Its JSON held a lone UTF-16 surrogate escape (`"\ud800"`), read as U+FFFD: well framed,
+    /// but not text; the event is answered `bad-request` and the connection goes on.
+    pub lone_surrogate: bool,
 }
 
 /// Why a connection is closed.
@@ -369,9 +323,17 @@ struct EventReader<S = TcpStream> {
     pos: usize,
     request_timeout: Duration,
     idle_timeout: Duration,
+    /// Told when an event starts to arrive ([`Activity::Arriving`]); `None` in tests.
+    tracker: Option<Tracker>,
 }
 
 impl<S: Source> EventReader<S> {
+    fn arriving(&self) {
+        if let Some(t) = &self.tracker {
+            t.set(Activity::Arriving);
+        }
+    }
+
     /// Read the next event; `Ok(None)` at a clean end of stream (between events).
     fn next(&mut self) -> Result<Option<Event>, ProtocolError> {
         // the header line: the first byte may take up to the idle timeout, the rest of the
@@ -381,8 +343,10 @@ impl<S: Source> EventReader<S> {
             None => return Ok(None),
         };
         let deadline = Instant::now() + self.request_timeout;
+        self.arriving();
+        let mut lone_surrogate = false;
         let header: Value =
-            serde_json::from_slice(&line).map_err(|e| ProtocolError::Malformed(format!("header line is not JSON: {e}")))?;
+            json_lenient(&line, &mut lone_surrogate).map_err(|e| ProtocolError::Malformed(format!("header line is not JSON: {e}")))?;
         let Value::Object(mut header) = header else {
             return Err(ProtocolError::Malformed("header line is not a JSON object".into()));
         };
@@ -409,15 +373,15 @@ impl<S: Source> EventReader<S> {
         let payload_length = length("payload_length", MAX_PAYLOAD_BYTES)?;
         if data_length > 0 {
             let bytes = self.exact(data_length, deadline)?;
-            let extra: Value =
-                serde_json::from_slice(&bytes).map_err(|e| ProtocolError::Malformed(format!("{kind}: data part is not JSON: {e}")))?;
+            let extra: Value = json_lenient(&bytes, &mut lone_surrogate)
+                .map_err(|e| ProtocolError::Malformed(format!("{kind}: data part is not JSON: {e}")))?;
             let Value::Object(extra) = extra else {
                 return Err(ProtocolError::Malformed(format!("{kind}: data part is not a JSON object")));
             };
             data.extend(extra);
         }
         let payload = if payload_length > 0 { self.exact(payload_length, deadline)? } else { Vec::new() };
-        Ok(Some(Event { kind, data, payload }))
+        Ok(Some(Event { kind, data, payload, lone_surrogate }))
     }
 
     /// The next line without its newline; `None` at end of stream before any byte.
@@ -435,6 +399,7 @@ impl<S: Source> EventReader<S> {
             }
             if pending > 0 && deadline.is_none() {
                 deadline = Some(Instant::now() + self.request_timeout);
+                self.arriving();
             }
             let timeout = match deadline {
                 Some(d) => Wait::Request(d),
@@ -495,6 +460,63 @@ impl<S: Source> EventReader<S> {
     }
 }
 
+/// Parse JSON; JSON that fails only for its lone UTF-16 surrogate escapes (`\ud800` without
+/// its pair, which JSON's grammar allows but no Unicode text holds) is read with U+FFFD in their
+/// place and `lone` set, so that the event is refused as a bad request instead of closing the
+/// connection as a malformed stream.
+fn json_lenient(bytes: &[u8], lone: &mut bool) -> Result<Value, serde_json::Error> {
+    match serde_json::from_slice(bytes) {
+        Ok(v) => Ok(v),
+        Err(e) => match replace_lone_surrogates(bytes) {
+            Some(fixed) => {
+                let v = serde_json::from_slice(&fixed).map_err(|_| e)?;
+                *lone = true;
+                Ok(v)
+            }
+            None => Err(e),
+        },
+    }
+}
+
+/// `bytes` with every `\uXXXX` escape of a lone surrogate (a high one not followed by a low
+/// one, or a low one alone) replaced by `\ufffd`; `None` when there is none.
+fn replace_lone_surrogates(bytes: &[u8]) -> Option<Vec<u8>> {
+    let unit = |at: usize| -> Option<u16> {
+        let esc = bytes.get(at..at + 6)?;
+        if esc[0] != b'\\' || esc[1] != b'u' {
+            return None;
+        }
+        u16::from_str_radix(std::str::from_utf8(&esc[2..]).ok()?, 16).ok()
+    };
+    let mut out = Vec::with_capacity(bytes.len());
+    let mut replaced = false;
+    let mut i = 0;
+    while i < bytes.len() {
+        if bytes[i] != b'\\' {
+            out.push(bytes[i]);
+            i += 1;
+            continue;
+        }
+        match unit(i) {
+            Some(0xD800..=0xDBFF) if matches!(unit(i + 6), Some(0xDC00..=0xDFFF)) => {
+                out.extend_from_slice(&bytes[i..i + 12]);
+                i += 12;
+            }
+            Some(0xD800..=0xDFFF) => {
+                out.extend_from_slice(b"\\ufffd");
+                replaced = true;
+                i += 6;
+            }
+            // any other escape: the backslash and the character it escapes
+            _ => {
+                out.extend_from_slice(&bytes[i..(i + 2).min(bytes.len())]);
+                i += 2;
+            }
+        }
+    }
+    replaced.then_some(out)
+}
+
 #[derive(Clone, Copy)]
 enum Wait {
     /// Between events.
@@ -525,7 +547,7 @@ impl Source for &[u8] {
 pub fn fuzz_events(bytes: &[u8]) -> usize {
     fn reader(stream: &[u8]) -> EventReader<&[u8]> {
         let hour = Duration::from_secs(3600);
-        EventReader { stream, buf: Vec::new(), pos: 0, request_timeout: hour, idle_timeout: hour }
+        EventReader { stream, buf: Vec::new(), pos: 0, request_timeout: hour, idle_timeout: hour, tracker: None }
     }
     let mut events = reader(bytes);
     let mut n = 0;
@@ -640,10 +662,10 @@ struct Connection<'a> {
     slot: &'a Slot,
     shutdown: &'a AtomicBool,
     mode: Mode,
-    /// Set while an event is handled or a stream is open ([`ConnEntry::busy`]).
-    busy: Arc<AtomicBool>,
-    /// When the last event was handled ([`ConnEntry::idle_since`]).
-    idle_since: Arc<Mutex<Instant>>,
+    /// What it does, for the connection limit ([`crate::conns`]).
+    tracker: Tracker,
+    /// The client, for log lines.
+    peer: SocketAddr,
 }
 
 impl<'a> Connection<'a> {
@@ -652,8 +674,8 @@ impl<'a> Connection<'a> {
         slot: &'a Slot,
         settings: &WyomingSettings,
         shutdown: &'a AtomicBool,
-        busy: Arc<AtomicBool>,
-        idle_since: Arc<Mutex<Instant>>,
+        tracker: Tracker,
+        peer: SocketAddr,
     ) -> io::Result<Self> {
         stream.set_nonblocking(false)?;
         stream.set_nodelay(true)?;
@@ -667,8 +689,9 @@ impl<'a> Connection<'a> {
             pos: 0,
             request_timeout: settings.request_timeout,
             idle_timeout: settings.idle_timeout,
+            tracker: Some(tracker.clone()),
         };
-        Ok(Connection { reader, out, slot, shutdown, mode: Mode::Single, busy, idle_since })
+        Ok(Connection { reader, out, slot, shutdown, mode: Mode::Single, tracker, peer })
     }
 
     fn serve(&mut self) -> Result<(), ProtocolError> {
@@ -678,6 +701,7 @@ impl<'a> Connection<'a> {
         {
             let _ = self.out.send("error", &json!({"text": e.to_string(), "code": code}));
         }
+        self.tracker.set(Activity::Closing);
         let _ = self.reader.stream.shutdown(Shutdown::Both);
         result
     }
@@ -688,11 +712,14 @@ impl<'a> Connection<'a> {
                 return Ok(());
             }
             let Some(event) = self.reader.next()? else { return Ok(()) };
-            self.busy.store(true, Ordering::SeqCst);
+            if !self.tracker.set(Activity::Busy) {
+                // closed to make room just as the event came in: not answered
+                return Ok(());
+            }
             let handled = self.event(event);
-            // idle again (evictable, closed at once on shutdown) unless a stream is open
-            self.busy.store(matches!(self.mode, Mode::Streaming { .. }), Ordering::SeqCst);
-            *self.idle_since.lock().unwrap_or_else(|p| p.into_inner()) = Instant::now();
+            // idle again (evictable, closed at once on shutdown); an open stream is evictable
+            // too, but given the shutdown grace
+            self.tracker.set(if matches!(self.mode, Mode::Streaming { .. }) { Activity::Stream } else { Activity::Idle });
             handled?;
         }
     }
@@ -704,8 +731,18 @@ impl<'a> Connection<'a> {
             return Ok(());
         };
         log::debug!("wyoming: event {}", event.kind);
+        if event.lone_surrogate {
+            self.error(
+                &format!("{}: the JSON holds a lone UTF-16 surrogate escape (such as \\ud800), which is not text", event.kind),
+                "bad-request",
+            )?;
+            return Ok(());
+        }
         match event.kind.as_str() {
-            "describe" => self.out.send("info", &info(front))?,
+            "describe" => {
+                self.out.send("info", &info(front))?;
+                log::info!("wyoming: {}: describe: info sent", self.peer);
+            }
             "ping" => self.out.send("pong", &json!({"text": event.data.get("text").cloned().unwrap_or(Value::Null)}))?,
             // inside a stream it is sent for old servers only; the stream's chunks say it all
             "synthesize" if matches!(self.mode, Mode::Streaming { .. }) => {}
@@ -767,6 +804,7 @@ impl<'a> Connection<'a> {
                     self.speak(front, pending.trim(), &voice)?;
                 }
                 self.out.send("synthesize-stopped", &Value::Null)?;
+                log::info!("wyoming: {}: synthesize-stop: the stream ended", self.peer);
             }
             other => log::debug!("wyoming: ignoring event {other:?}"),
         }
@@ -774,7 +812,7 @@ impl<'a> Connection<'a> {
     }
 
     fn error(&self, text: &str, code: &str) -> io::Result<()> {
-        log::info!("wyoming: {code}: {text}");
+        log::info!("wyoming: {}: error {code}: {text}", self.peer);
         self.out.send("error", &json!({"text": text, "code": code}))
     }
 
@@ -822,7 +860,7 @@ impl<'a> Connection<'a> {
                 break o;
             }
             if !gone && client_gone(&self.reader.stream) {
-                log::info!("wyoming: the client went away; cancelling its job");
+                log::info!("wyoming: {}: the client went away; cancelling its job", self.peer);
                 handle.cancel();
                 gone = true;
             }
@@ -838,8 +876,17 @@ impl<'a> Connection<'a> {
         }
         match outcome {
             Ok(spoken) => {
-                if spoken.report.is_none() {
-                    log::info!("wyoming: the job was cut short (stopping)");
+                match &spoken.report {
+                    Some(report) => log::info!(
+                        "wyoming: {}: spoke {} characters: {} frames ({:.2} s of audio) in {:.2} s, time to first audio {:.0} ms",
+                        self.peer,
+                        text.chars().count(),
+                        report.frames,
+                        spoken.stats.input_samples as f64 / f64::from(spoken.stats.device_rate.max(1)),
+                        report.total,
+                        report.ttfa * 1e3
+                    ),
+                    None => log::info!("wyoming: {}: the job was cut short (stopping)", self.peer),
                 }
                 if !started.load(Ordering::SeqCst) {
                     self.out.send("audio-start", &json!({"rate": rate, "width": 2, "channels": 1}))?;
@@ -853,7 +900,7 @@ impl<'a> Connection<'a> {
             }
             Err(JobError::Sink(e)) => Err(ProtocolError::Io(io::Error::new(ErrorKind::BrokenPipe, e.to_string()))),
             Err(e) => {
-                log::error!("wyoming: the job failed: {}", crate::one_line(&e));
+                log::error!("wyoming: {}: the job failed: {}", self.peer, crate::one_line(&e));
                 self.error(&crate::one_line(&e), "synthesis-failed")?;
                 Ok(())
             }
@@ -985,6 +1032,7 @@ mod tests {
             pos: 0,
             request_timeout: Duration::from_millis(300),
             idle_timeout: Duration::from_millis(300),
+            tracker: None,
         };
         (r, client)
     }
@@ -1015,6 +1063,28 @@ mod tests {
         assert_eq!(Value::Object(e.data), json!({"a": 1, "b": 2}));
         assert_eq!(e.payload, [9, 9]);
         assert!(r.next().unwrap().is_none(), "clean end of stream");
+    }
+
+    #[test]
+    fn lone_surrogates_are_read_as_replacement_characters_and_flagged() {
+        let mut bytes = br#"{"type": "synthesize", "data": {"text": "a\ud800b \udc00 \ud83d\ude00 \\ud800 \ud800\ud800"}}"#.to_vec();
+        bytes.push(b'\n');
+        bytes.extend(br#"{"type": "synthesize", "data_length": 24}"#);
+        bytes.push(b'\n');
+        bytes.extend(br#"{"text": "\ud83d\ude00"}"#);
+        let (mut r, _c) = reader_for(&bytes, true);
+        let e = r.next().unwrap().unwrap();
+        assert!(e.lone_surrogate);
+        // a pair stays a pair, an escaped backslash is no escape, each lone one is U+FFFD
+        assert_eq!(text_of("synthesize", &e.data).unwrap(), "a\u{fffd}b \u{fffd} \u{1f600} \\ud800 \u{fffd}\u{fffd}");
+        let e = r.next().unwrap().unwrap();
+        assert!(!e.lone_surrogate);
+        assert_eq!(text_of("synthesize", &e.data).unwrap(), "\u{1f600}");
+        // JSON broken otherwise stays malformed
+        let mut broken = br#"{"type": "a\ud800"#.to_vec();
+        broken.push(b'\n');
+        let (mut r, _c) = reader_for(&broken, true);
+        assert!(matches!(r.next(), Err(ProtocolError::Malformed(_))));
     }
 
     #[test]
@@ -1054,6 +1124,7 @@ mod tests {
             pos: 0,
             request_timeout: Duration::from_secs(5),
             idle_timeout: Duration::from_secs(5),
+            tracker: None,
         };
         assert!(matches!(r.next(), Err(ProtocolError::TooLarge { what: "header line", .. })));
         writer.join().unwrap();

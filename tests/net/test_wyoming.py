@@ -218,6 +218,56 @@ def test_bad_requests_get_an_error_and_the_connection_stays_usable(server):
     assert Info.is_type(out[7].type), "the connection still answers"
 
 
+def test_a_lone_surrogate_is_a_bad_request_and_the_connection_stays_usable(server):
+    mark = len(server.log_text())
+    with socket.create_connection(("127.0.0.1", server.port), timeout=30) as s:
+        # json.dumps writes a lone surrogate as the escape "\ud800", valid JSON but not text
+        s.sendall(json.dumps({"type": "synthesize", "data": {"text": "Hi \ud800 there."}}).encode() + b"\n")
+        f = s.makefile("rb")
+        header = json.loads(f.readline())
+        data = json.loads(f.read(header["data_length"]))
+        assert (header["type"], data["code"]) == ("error", "bad-request"), (header, data)
+        assert "surrogate" in data["text"], data
+        s.sendall(b'{"type": "describe"}\n')
+        header = json.loads(f.readline())
+        assert header["type"] == "info", "the connection still answers"
+        port = s.getsockname()[1]
+    # one line per request with its outcome, the client named; nothing above INFO
+    end = time.monotonic() + 5
+    while f"127.0.0.1:{port}: describe: info sent" not in server.log_text()[mark:]:
+        assert time.monotonic() < end, server.log_text()[mark:]
+        time.sleep(0.05)
+    log = server.log_text()[mark:]
+    assert re.search(rf"INFO.*wyoming: 127\.0\.0\.1:{port}: error bad-request: synthesize: .*surrogate", log), log
+    assert "WARN" not in log and "ERROR" not in log, log
+
+
+def test_default_level_logs_one_line_per_request_and_a_hang_up_is_info(server):
+    mark = len(server.log_text())
+    events, _ = asyncio.run(synthesize(server.port, "Logged."))
+    assert AudioStop.is_type(events[-1].type)
+    end = time.monotonic() + 5
+    while not re.search(r"wyoming: 127\.0\.0\.1:\d+: spoke 7 characters: \d+ frames", server.log_text()[mark:]):
+        assert time.monotonic() < end, server.log_text()[mark:]
+        time.sleep(0.05)
+    # frame-pool statistics are debug-level now
+    assert "frame pools" not in server.log_text()[mark:]
+    # a client that hangs up mid-answer: INFO, never WARN
+    mark = len(server.log_text())
+    with socket.create_connection(("127.0.0.1", server.port)) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, b"\x01\x00\x00\x00\x00\x00\x00\x00")
+        s.sendall(json.dumps({"type": "synthesize", "data": {"text": "A sentence long enough to hang up in."}}).encode() + b"\n")
+        s.settimeout(60)
+        assert s.recv(100)
+    end = time.monotonic() + 30
+    while "connection closed" not in server.log_text()[mark:] and "went away" not in server.log_text()[mark:]:
+        assert time.monotonic() < end, server.log_text()[mark:]
+        time.sleep(0.05)
+    time.sleep(0.5)
+    log = server.log_text()[mark:]
+    assert "WARN" not in log and "ERROR" not in log, log
+
+
 def raw_exchange(port: int, data: bytes, wait: float = 10.0) -> tuple[bytes, bool]:
     """Send `data`, read until the server closes or `wait` passes; (reply, closed by server)."""
     with socket.create_connection(("127.0.0.1", port)) as s:
