@@ -13,8 +13,10 @@
 //! - longer than [`MAX_TEXT_CHARS`] Unicode scalar values: [`PromptError::TextTooLong`];
 //! - line endings `\r\n` and lone `\r` become `\n`; every other C0 control (U+0000..U+001F)
 //!   except `\t` and `\n`, DEL (U+007F) and every C1 control (U+0080..U+009F) becomes a space;
-//! - empty: [`PromptError::EmptyText`]; nothing but whitespace after that cleaning
-//!   (Unicode `White_Space`): [`PromptError::BlankText`].
+//! - empty: [`PromptError::EmptyText`]; no letter or digit in any script after that cleaning
+//!   (no Unicode `Alphabetic` or `Numeric` character: only whitespace, punctuation such as
+//!   `?!...,;:`, symbols, invisible characters): [`PromptError::BlankText`] — a model given
+//!   only punctuation babbles.
 //!
 //! A Rust `&str` is valid UTF-8, so it cannot hold a lone surrogate (U+D800..U+DFFF); such input
 //! must be rejected or replaced where bytes become a `String` (the caller's decoding step).
@@ -40,6 +42,14 @@ pub const CAP_FRAMES_PER_TEXT_TOKEN: usize = 10;
 /// Characters that print nothing and are not `White_Space`: zero-width space/joiners, word
 /// joiner, BOM. A text made only of these (and whitespace) has nothing to say.
 pub const INVISIBLE: [char; 5] = ['\u{200B}', '\u{200C}', '\u{200D}', '\u{2060}', '\u{FEFF}'];
+
+/// Whether `text` has something to say: a letter or a digit in any script (a character with
+/// the Unicode property `Alphabetic` or `Numeric`: Latin, CJK, Arabic, Devanagari, digits…).
+/// Text of only whitespace, punctuation (`?!...,;:`), symbols or [`INVISIBLE`] characters has
+/// none.
+pub fn has_words(text: &str) -> bool {
+    text.chars().any(char::is_alphanumeric)
+}
 
 /// Tokens before the text in the chat-wrapped ids (`<|im_start|>`, `assistant`, `\n`).
 const ROLE_TOKENS: usize = 3;
@@ -137,8 +147,9 @@ pub enum PromptError {
     /// The text is empty.
     #[error("text is empty")]
     EmptyText,
-    /// The text holds nothing but whitespace and control characters.
-    #[error("text has nothing to say (only whitespace or control characters)")]
+    /// The text holds no letter or digit (in any script): only whitespace, punctuation,
+    /// symbols or control characters.
+    #[error("text has nothing to say (no letter or digit)")]
     BlankText,
     /// The text is longer than [`MAX_TEXT_CHARS`].
     #[error("text is {chars} characters long; the limit is {limit} characters (split it)")]
@@ -324,7 +335,7 @@ impl Prompter {
             return Err(PromptError::TextTooLong { chars, limit: MAX_TEXT_CHARS });
         }
         let text = clean_text(text);
-        if text.chars().all(|c| c.is_whitespace() || INVISIBLE.contains(&c)) {
+        if !has_words(&text) {
             return Err(PromptError::BlankText);
         }
         let wrapped = format!("<|im_start|>assistant\n{text}<|im_end|>\n<|im_start|>assistant\n");
@@ -454,6 +465,16 @@ impl Prompter {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_text_without_a_letter_or_digit_has_nothing_to_say() {
+        for blank in ["?!...,;:", " \t\n", "\u{200B}\u{FEFF}", "。！？…", "-- ** ##", "\u{1F600}"] {
+            assert!(!has_words(blank), "{blank:?}");
+        }
+        for words in ["a", "7", "?!a", "中", "ок", "مرحبا", "नमस्ते", "Ⅻ", "٣"] {
+            assert!(has_words(words), "{words:?}");
+        }
+    }
 
     #[test]
     fn frame_cap_is_min_of_limit_and_text_rule() {
