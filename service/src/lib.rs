@@ -18,10 +18,12 @@
 //! ([`SpeakerSettings`]) that the binary fills from its configuration in one function.
 
 pub mod cancel;
+pub mod device;
 pub mod fifo;
 pub mod front;
 pub mod http;
 pub mod listen;
+pub mod live;
 pub mod lookahead;
 pub mod notify;
 pub mod output;
@@ -31,7 +33,9 @@ pub mod wyoming;
 pub mod zeroconf;
 
 pub use cancel::{Cancel, Stop};
+pub use device::{DeviceHealth, NoDevice};
 pub use front::{Front, FrontSettings, RequestError, Slot, VoiceInfo};
+pub use live::{Live, LiveSettings};
 pub use output::{AtomicFile, OutputSettings, Target, write_atomic};
 pub use queue::{JobHandle, Outcome, Perform, Queue, Refused};
 pub use speaker::{
