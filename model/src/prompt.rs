@@ -13,10 +13,11 @@
 //! - longer than [`MAX_TEXT_CHARS`] Unicode scalar values: [`PromptError::TextTooLong`];
 //! - line endings `\r\n` and lone `\r` become `\n`; every other C0 control (U+0000..U+001F)
 //!   except `\t` and `\n`, DEL (U+007F) and every C1 control (U+0080..U+009F) becomes a space;
-//! - empty: [`PromptError::EmptyText`]; no letter or digit in any script after that cleaning
-//!   (no Unicode `Alphabetic` or `Numeric` character: only whitespace, punctuation such as
-//!   `?!...,;:`, symbols, invisible characters): [`PromptError::BlankText`] — a model given
-//!   only punctuation babbles.
+//! - empty: [`PromptError::EmptyText`]; nothing but whitespace after that cleaning
+//!   (Unicode `White_Space`): [`PromptError::BlankText`]. The service refuses more at its
+//!   entry: a text without a letter or digit in any script ([`has_words`]: punctuation such as
+//!   `?!...,;:` alone makes a model babble) is refused with the same error; the layout itself
+//!   keeps such texts (the parity tests decode one).
 //!
 //! A Rust `&str` is valid UTF-8, so it cannot hold a lone surrogate (U+D800..U+DFFF); such input
 //! must be rejected or replaced where bytes become a `String` (the caller's decoding step).
@@ -147,8 +148,8 @@ pub enum PromptError {
     /// The text is empty.
     #[error("text is empty")]
     EmptyText,
-    /// The text holds no letter or digit (in any script): only whitespace, punctuation,
-    /// symbols or control characters.
+    /// The text holds nothing but whitespace and control characters (or, refused by the
+    /// service, no letter or digit in any script: [`has_words`]).
     #[error("text has nothing to say (no letter or digit)")]
     BlankText,
     /// The text is longer than [`MAX_TEXT_CHARS`].
@@ -335,7 +336,7 @@ impl Prompter {
             return Err(PromptError::TextTooLong { chars, limit: MAX_TEXT_CHARS });
         }
         let text = clean_text(text);
-        if !has_words(&text) {
+        if text.chars().all(|c| c.is_whitespace() || INVISIBLE.contains(&c)) {
             return Err(PromptError::BlankText);
         }
         let wrapped = format!("<|im_start|>assistant\n{text}<|im_end|>\n<|im_start|>assistant\n");

@@ -121,7 +121,12 @@ pub fn plan(prompter: &Prompter, request: &Request, limits: SegmentLimits) -> Re
     if chars > MAX_LONG_TEXT_CHARS {
         return Err(PromptError::TextTooLong { chars, limit: MAX_LONG_TEXT_CHARS });
     }
-    let layout = |r: &Request| prompter.layout(&r.text, r.language.as_deref(), r.speaker.as_deref(), r.mode).map(|_| ());
+    // a text (or a segment) without a letter or digit in any script has nothing to say: a model
+    // given only punctuation babbles (engine::prompt::has_words)
+    let layout = |r: &Request| {
+        prompter.layout(&r.text, r.language.as_deref(), r.speaker.as_deref(), r.mode)?;
+        if engine::prompt::has_words(&r.text) { Ok(()) } else { Err(PromptError::BlankText) }
+    };
     let text = clean_text(&request.text);
     let ranges = engine::segment::segments(&text, limits, &mut |s| prompter.count_tokens(s));
     if ranges.len() <= 1 {

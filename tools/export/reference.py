@@ -535,8 +535,8 @@ class Reference:
         if len(text) > MAX_TEXT_CHARS:
             raise ValueError(f"text is {len(text)} characters long; the limit is {MAX_TEXT_CHARS} characters (split it)")
         text = clean_text(text)
-        if not any(c.isalnum() for c in text):  # engine::prompt::has_words: a letter or digit
-            raise ValueError("text has nothing to say (no letter or digit)")
+        if all(c.isspace() or c in INVISIBLE for c in text):
+            raise ValueError("text has nothing to say (only whitespace or control characters)")
         wrapped = f"<|im_start|>assistant\n{text}<|im_end|>\n<|im_start|>assistant\n"
         ids = self.tokenizer.encode(wrapped, add_special_tokens=False).ids
         t, nl, asst = self.text_ids, self.newline_id, self.assistant_id

@@ -69,7 +69,7 @@ def prompt(bundle: str) -> None:
             if len(text) > MAX_TEXT_CHARS:
                 raise ValueError(f"text is too long: {len(text)} > {MAX_TEXT_CHARS}")
             text = clean_text(text)
-            if not any(c.isalnum() for c in text):  # no letter or digit: engine::prompt::has_words
+            if not text.strip():
                 raise ValueError("text is blank")
             lay = ref.prompt_layout(text, language, speaker, mode)
             rows = ",".join(f"{t}:{opt(c)}" for t, c in lay.rows)
