@@ -360,7 +360,7 @@ def test_sigterm_mid_stream_ends_the_stream_and_exits_0(tmp_path):
     assert len(pcm) % 2 == 0
     assert len(pcm) < len(speak_raw(text)), "the stream was cut short"
     assert s.proc.wait(timeout=30) == 0, s.log_text()
-    assert "stopping;" in s.log_text()
+    assert "stopping on SIGTERM;" in s.log_text()
 
 
 def test_a_stream_over_the_limit_ends_with_synthesize_stopped_and_no_audio(server):
