@@ -84,9 +84,10 @@ fn sighup_reloads_serve_and_sigterm_stops_it_naming_the_signal() {
     wait_for_file(&out.join("000001.wav"), Duration::from_secs(120));
 
     // half the volume, and a key that needs a restart
-    std::fs::write(&cfg, "[audio]\nvolume = 0.5\n[serve]\nqueue_length = 2\n").unwrap();
+    std::fs::write(&cfg, "[audio]\nvolume = 0.5\n[serve]\nqueue_length = 2\n[amplifier]\nlead_ms = 80\n").unwrap();
     kill(&child, "HUP");
-    err.wait_for("SIGHUP: reloaded audio.volume = 0.5", "\0", Duration::from_secs(30));
+    let reloaded = err.wait_for("SIGHUP: reloaded audio.volume = 0.5", "\0", Duration::from_secs(30));
+    assert!(reloaded.contains("amplifier.lead_ms = 80"), "{reloaded}");
     err.wait_for("serve.queue_length changed, which needs a restart", "\0", Duration::from_secs(30));
     assert!(child.try_wait().unwrap().is_none(), "SIGHUP stopped herald serve");
     say("Every line is spoken.");

@@ -344,7 +344,11 @@ fn speak_line(queue: &Queue, settings: &FifoSettings, heartbeat: &Heartbeat, sto
     let plays = target.plays();
     let chars = text.chars().count();
     let hb = heartbeat.clone();
-    let job = Job::new(live.voice.request(text), target)
+    let mut job = Job::new(live.voice.request(text), target);
+    if let Some(lead) = live.amp_lead {
+        job = job.amp_lead(lead);
+    }
+    let job = job
         .on_begin(move |req| match req.seed {
             Some(s) => log::info!("line {number}: {chars} characters, seed {s}"),
             None => log::info!("line {number}: {chars} characters, greedy"),

@@ -114,7 +114,7 @@ impl Front {
         let sample_rate = speaker.sample_rate();
         let stop = speaker.stop_handle().clone();
         let queue = speaker.start(settings.queue_length)?;
-        let live = Live::new(LiveSettings { voice, output, max_text_chars: settings.max_text_chars });
+        let live = Live::new(LiveSettings { voice, output, max_text_chars: settings.max_text_chars, amp_lead: None });
         Ok(Front { queue, prompter, live, device: None, sample_rate, voices, languages, model, stop })
     }
 
@@ -253,9 +253,13 @@ impl Front {
     /// # Errors
     /// [`Refused`].
     pub fn play(&self, request: Request) -> Result<JobHandle, Refused> {
-        let output = self.live.get().output;
-        let sink: Box<dyn AudioSink + Send> = Box::new(AlsaSink::new(output.alsa, output.shaper));
-        self.queue.try_submit(Job::new(request, Target::Sink { sink, plays: true }))
+        let live = self.live.get();
+        let sink: Box<dyn AudioSink + Send> = Box::new(AlsaSink::new(live.output.alsa, live.output.shaper));
+        let job = Job::new(request, Target::Sink { sink, plays: true });
+        self.queue.try_submit(match live.amp_lead {
+            Some(lead) => job.amp_lead(lead),
+            None => job,
+        })
     }
 
     /// Before [`play`](Self::play): whether the device is there ([`DeviceHealth::ready`]; always

@@ -1,10 +1,11 @@
 //! The settings `herald serve` may change while it runs (SIGHUP, docs/reliability.md
 //! "Signals"): the voice of a request that names none, the shaping and ALSA settings of each
-//! new output, and the longest text a network request may carry. Every job reads them when it
+//! new output, the amplifier line's lead, and the longest text a network request may carry. Every job reads them when it
 //! is made, so a change applies from the next job on; the one in progress keeps what it began
 //! with.
 
 use std::sync::{Arc, PoisonError, RwLock};
+use std::time::Duration;
 
 use crate::output::OutputSettings;
 use crate::speaker::Voice;
@@ -18,6 +19,9 @@ pub struct LiveSettings {
     pub output: OutputSettings,
     /// The longest text a network request may carry, characters (`serve.max_text_chars`).
     pub max_text_chars: usize,
+    /// How long before the first sample the amplifier line goes on (`amplifier.lead_ms`);
+    /// `None`: as the line was opened.
+    pub amp_lead: Option<Duration>,
 }
 
 /// A shared handle on [`LiveSettings`]: clones see the same settings.

@@ -383,8 +383,9 @@ fn fifo_path(value: &str) -> Option<PathBuf> {
 }
 
 /// The keys a SIGHUP applies to the running service (docs/reliability.md "Signals"): the
-/// shaping and ALSA settings of each new output, the voice of a request that names none, and
-/// the longest text a network request may carry. Every other key needs a restart.
+/// shaping and ALSA settings of each new output, the voice of a request that names none, the
+/// amplifier line's lead and the longest text a network request may carry. Every other key
+/// needs a restart (the amplifier's chip, line and level: the line is held open).
 pub const RELOADABLE: &[&str] = &[
     "audio.device",
     "audio.format",
@@ -400,6 +401,7 @@ pub const RELOADABLE: &[&str] = &[
     "synthesis.sampling",
     "synthesis.seed",
     "serve.max_text_chars",
+    "amplifier.lead_ms",
 ];
 
 /// What a SIGHUP needs to reload the configuration.
@@ -446,7 +448,8 @@ impl Reloading {
                     return;
                 }
             };
-            front.live().set(LiveSettings { voice, output: settings.output, max_text_chars: new.serve.max_text_chars });
+            let amp_lead = Some(Duration::from_millis(new.amplifier.lead_ms.into()));
+            front.live().set(LiveSettings { voice, output: settings.output, max_text_chars: new.serve.max_text_chars, amp_lead });
             if let Some(d) = &self.device {
                 d.set_device(&new.audio.device);
             }
