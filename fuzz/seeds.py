@@ -111,9 +111,34 @@ def config_seeds():
         '[amplifier]\nchip = "pinctrl-rp1"\nline = 17\nactive = "low"\n')
 
 
+def fifo_lines_seeds():
+    # first byte: the line limit - 1 (mod 64), second: the read size - 1 (mod 16); then the bytes
+    out = ROOT / "fifo_lines"
+    out.mkdir(parents=True, exist_ok=True)
+    for name, data in [
+        ("lines", bytes([63, 3]) + b"Hello.\nSecond line\r\n\nthird"),
+        ("too-long", bytes([7, 0]) + b"123456789\nok\n12345678\r\n"),
+        ("utf8", bytes([40, 5]) + "Grüße, 世界!\n\u00e9\r\r\n".encode()),
+    ]:
+        (out / name).write_bytes(data)
+
+
+def address_seeds():
+    out = ROOT / "address"
+    out.mkdir(parents=True, exist_ok=True)
+    for name, text in [
+        ("tcp", "tcp://127.0.0.1:10200"), ("http", "http://[::1]:5000/"), ("off", "OFF"),
+        ("port-alone", "18500"), ("host-alone", "localhost"), ("path", "tcp://h:1/x"),
+        ("scheme", "udp://1.2.3.4:5"), ("big-port", "0.0.0.0:99999"), ("empty", " "),
+    ]:
+        (out / name).write_text(text)
+
+
 if __name__ == "__main__":
     sanitize_seeds()
     wyoming_seeds()
     http_seeds()
     prompt_seeds()
     config_seeds()
+    fifo_lines_seeds()
+    address_seeds()

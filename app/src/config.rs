@@ -83,6 +83,9 @@ pub const SEGMENT_PAUSE_MS: RangeInclusive<u32> = 0..=5000;
 pub const REQUEST_TIMEOUT_S: RangeInclusive<u32> = 1..=600;
 /// `serve.idle_timeout_s`.
 pub const IDLE_TIMEOUT_S: RangeInclusive<u32> = 1..=86_400;
+/// The FIFO `herald serve` reads by default (`serve.fifo`; in the systemd unit's
+/// `RuntimeDirectory=herald`).
+pub const DEFAULT_FIFO: &str = "/run/herald/say";
 /// Default `serve.wyoming`: the port Home Assistant's Wyoming integration expects of a TTS
 /// server (wyoming-piper's 10200), on loopback.
 pub const DEFAULT_WYOMING: &str = "tcp://127.0.0.1:10200";
@@ -397,6 +400,12 @@ settings! {
     /// otherwise; under systemd, `herald.socket` may hand the sockets over instead (matched
     /// by port).
     serve: ServeConfig {
+        /// The FIFO `herald serve` reads lines of text from (created when missing, mode 0620,
+        /// and removed on exit when herald created it), or `off` for none: the network
+        /// front-ends only. Its directory must exist: the systemd unit's
+        /// `RuntimeDirectory=herald` makes `/run/herald`. A relative path is relative to the
+        /// working directory (a FIFO named `off` is `./off`).
+        fifo: String = DEFAULT_FIFO.into(), NonEmpty("a path, or `off`"), cli fifo, flag "--fifo";
         /// Where the Wyoming server listens: `tcp://HOST:PORT`, or `off`. `0.0.0.0` listens on
         /// every address (for Home Assistant on another machine).
         wyoming: String = DEFAULT_WYOMING.into(), Any("`tcp://HOST:PORT` or `off`");
@@ -431,8 +440,11 @@ settings! {
         zeroconf: Zeroconf = Zeroconf::Auto, OneOf;
         /// The HTTP API's bearer token (`Authorization: Bearer <key>`, every route but
         /// `/healthz`). Not set: no authentication, which is refused at start-up when `http`
-        /// is not a loopback address. Prefer `HERALD_SERVE_API_KEY` in the service's
-        /// environment to writing it into the file.
+        /// is not a loopback address. Empty (`HERALD_SERVE_API_KEY=`) means not set, as for
+        /// every optional key (the environment can undo the file's key): on loopback herald
+        /// says so in one line; where a key is required (`http` not on loopback) it is an
+        /// error that names where the empty value came from. Prefer `HERALD_SERVE_API_KEY` in
+        /// the service's environment to writing it into the file.
         api_key: Option<String> = None, Opt("no authentication (loopback only)", Any("a token"));
     }
 
@@ -2295,6 +2307,16 @@ mod tests {
         let start = start + md[start..].find("-->\n").unwrap() + 4;
         let end = start + md[start..].find("<!-- end generated -->").unwrap();
         format!("{}{body}{}", &md[..start], &md[end..])
+    }
+
+    /// docs/config.md's "The file" names every section of the declaration, `[serve]` included.
+    #[test]
+    fn docs_name_every_section() {
+        let md = std::fs::read_to_string(Path::new(env!("CARGO_MANIFEST_DIR")).join("../docs/config.md")).unwrap();
+        let list = md.split("Keys live in the sections").nth(1).and_then(|r| r.split(".\n").next()).unwrap();
+        for section in sections() {
+            assert!(list.contains(&format!("`[{section}]`")), "docs/config.md's list of sections lacks [{section}]: {list}");
+        }
     }
 
     /// docs/config.md's full example and key tables are made from the declaration: this test

@@ -9,6 +9,7 @@ mod backend;
 mod cmd;
 mod config;
 mod exit;
+mod signals;
 mod speaker;
 mod tuning;
 
@@ -26,7 +27,7 @@ static GLOBAL: engine::pool::Pooled<cmd::bench::Counting> = engine::pool::Pooled
 
 /// The process-wide stop: SIGINT/SIGTERM cancel the utterance in progress within a frame (its
 /// output is finished cleanly: fade-out, WAV header) and every later one; `speak` then exits with
-/// [`exit::INTERRUPTED`], `serve` with 0. A second signal exits at once.
+/// [`exit::INTERRUPTED`], `serve` with 0. A second signal exits at once ([`signals`]).
 static STOP: LazyLock<service::Stop> = LazyLock::new(service::Stop::new);
 
 #[derive(Parser)]
@@ -65,6 +66,8 @@ enum Command {
 }
 
 fn main() -> ExitCode {
+    // before any thread starts, so that every thread inherits the mask ([`signals`])
+    let blocked = signals::block();
     let cli = match Cli::try_parse() {
         Ok(c) => c,
         Err(e) => {
@@ -87,14 +90,8 @@ fn main() -> ExitCode {
     if let Err(e) = engine::tables::exit_on_truncation(i32::from(exit::BUNDLE)) {
         eprintln!("warning: cannot handle SIGBUS: {e}");
     }
-    if let Err(e) = ctrlc::set_handler(|| {
-        if STOP.is_stopped() {
-            // a second signal: stop now
-            std::process::exit(i32::from(exit::INTERRUPTED));
-        }
-        STOP.stop();
-    }) {
-        eprintln!("warning: cannot handle SIGINT/SIGTERM: {e}");
+    if let Err(e) = blocked.map_err(std::io::Error::from).and_then(|()| signals::start(STOP.clone())) {
+        eprintln!("warning: cannot handle SIGINT/SIGTERM/SIGHUP: {e}");
     }
     match run(cli) {
         Ok(()) => ExitCode::SUCCESS,

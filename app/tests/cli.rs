@@ -314,6 +314,8 @@ fn documented_exit_codes_with_one_line_reasons() {
     let keep = d.join("keep.wav");
     std::fs::write(&keep, b"precious").unwrap();
     check(herald(&["speak", "  ", "--bundle", bs, "--out", keep.to_str().unwrap()], &[], None), 2, "nothing to say");
+    // punctuation alone has no letter or digit: nothing to say either (a model would babble)
+    check(herald(&["speak", "?!...,;:", "--bundle", bs, "--out", keep.to_str().unwrap()], &[], None), 2, "nothing to say");
     check(
         herald(&["speak", "hi", "--bundle", broken.to_str().unwrap(), "--out", keep.to_str().unwrap()], &[], None),
         4,
@@ -366,4 +368,41 @@ fn probe_reports_this_board_and_honours_the_override() {
     let o = herald(&["probe"], &[("HERALD_HW_PROFILE", "/nonexistent/profile.json")], None);
     assert_eq!(o.status.code(), Some(2));
     assert!(stderr(&o).contains("/nonexistent/profile.json"));
+}
+
+#[test]
+fn languages_and_the_default_speaker_take_the_words_of_http_and_wyoming() {
+    let b = bundle();
+    let bs = b.to_str().unwrap();
+    let d = tmp("words");
+    let speak = |name: &str, extra: &[&str]| -> Vec<u8> {
+        let out = d.join(format!("{name}.wav"));
+        let mut args = vec!["speak", "Hello.", "--bundle", bs, "--seed", "5", "--speaker", "ryan", "--out", out.to_str().unwrap()];
+        args.extend_from_slice(extra);
+        let o = herald(&args, &[], None);
+        assert!(o.status.success(), "{name}: {}", stderr(&o));
+        std::fs::read(out).unwrap()
+    };
+    let want = speak("name", &["--language", "english"]);
+    assert_eq!(speak("code", &["--language", "en"]), want, "--language en");
+    assert_eq!(speak("tag", &["--language", "en-US"]), want, "--language en-US");
+    assert_eq!(speak("case", &["--language", "English"]), want, "--language English");
+    // `default` is no speaker: the bundle's default voice, as without --speaker
+    let plain = d.join("plain.wav");
+    let o = herald(&["speak", "Hello.", "--bundle", bs, "--seed", "5", "--out", plain.to_str().unwrap()], &[], None);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let deflt = d.join("default.wav");
+    let o = herald(
+        &["speak", "Hello.", "--bundle", bs, "--seed", "5", "--speaker", "default", "--out", deflt.to_str().unwrap()],
+        &[],
+        None,
+    );
+    assert!(o.status.success(), "{}", stderr(&o));
+    assert_eq!(std::fs::read(deflt).unwrap(), std::fs::read(plain).unwrap());
+    // a code the bundle has no language for is refused, naming the languages
+    common::assert_one_error_line(
+        &herald(&["speak", "Hello.", "--bundle", bs, "--language", "xx", "--out", "/dev/null"], &[], None),
+        2,
+        "xx",
+    );
 }

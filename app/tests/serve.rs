@@ -369,6 +369,28 @@ fn startup_errors_exit_with_one_line() {
     );
     check(run(&["serve", "--bundle", bs, "--fifo", f], &[("HERALD_SERVE_HTTP", "0.0.0.0:0")]), 2, "serve.api_key");
     check(run(&["serve", "--bundle", bs, "--fifo", f], &[("HERALD_SERVE_API_KEY", " key ")]), 2, "white space");
+    // a port alone names the missing host; an empty key where one is required names its source
+    check(
+        run(&["serve", "--bundle", bs, "--fifo", f], &[("HERALD_SERVE_HTTP", "18500")]),
+        2,
+        "serve.http = \"18500\": no host: 18500 is a port alone; write 127.0.0.1:18500",
+    );
+    check(
+        run(&["serve", "--bundle", bs, "--fifo", f], &[("HERALD_SERVE_HTTP", "0.0.0.0:0"), ("HERALD_SERVE_API_KEY", "")]),
+        2,
+        "serve.api_key is empty (env HERALD_SERVE_API_KEY), but serve.http",
+    );
+    // the FIFO's folder missing, from the environment's serve.fifo: named, with the fixes
+    let o = run(&["serve", "--bundle", bs], &[("HERALD_SERVE_FIFO", missing.to_str().unwrap())]);
+    common::assert_one_error_line(&o, 2, &format!("the directory {} does not exist", missing.parent().unwrap().display()));
+    for fix in ["--fifo PATH", "serve.fifo = \"off\"", "RuntimeDirectory=herald"] {
+        assert!(stderr(&o).contains(fix), "{fix}: {}", stderr(&o));
+    }
+    check(
+        run(&["serve", "--bundle", bs, "--fifo", "off"], &[("HERALD_SERVE_WYOMING", "off"), ("HERALD_SERVE_HTTP", "off")]),
+        2,
+        "nothing to serve",
+    );
     check(run(&["serve", "--bundle", bs, "--fifo", f], &[("HERALD_SERVE_WYOMING", "")]), 2, "empty");
     let busy = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
     let taken = format!("tcp://{}", busy.local_addr().unwrap());
@@ -399,4 +421,98 @@ fn overlay_asound_conf_parses_and_defines_the_speaker() {
     let out = String::from_utf8_lossy(&o.stdout).into_owned();
     assert!(out.lines().any(|l| l.starts_with("speaker ") && l.contains("dmix")), "{out}");
     assert!(out.lines().any(|l| l.starts_with("default ") && l.contains("plug")), "{out}");
+}
+
+#[test]
+fn fifo_off_serves_the_network_only_and_creates_no_file() {
+    let b = bundle();
+    let d = tmp("fifo-off");
+    let mut child = command(&["serve", "--bundle", b.to_str().unwrap(), "--fifo", "OFF"], &[]).current_dir(&d).spawn().unwrap();
+    let _guard = common::KillOnDrop(child.id());
+    let mut err = StderrTail::new(&mut child);
+    let ready = err.wait_for("ready;", "\0", Duration::from_secs(300));
+    assert!(ready.contains("no FIFO (serve.fifo = \"off\")") && ready.contains("HTTP on http://127.0.0.1:"), "{ready}");
+    sigterm(&child);
+    let o = wait_exit(child, Duration::from_secs(30));
+    assert_eq!(o.status.code(), Some(0));
+    let names: Vec<_> = std::fs::read_dir(&d).unwrap().map(|e| e.unwrap().file_name()).collect();
+    assert!(names.is_empty(), "--fifo off made {names:?}");
+}
+
+/// An ALSA configuration whose `default` cannot be opened (a card that does not exist), with a
+/// `good` PCM that can (a file plugin over null) and hints for `herald devices`.
+fn no_device_conf(d: &Path) -> PathBuf {
+    let conf = d.join("asound.conf");
+    let capture = d.join("capture.raw");
+    std::fs::write(
+        &conf,
+        format!(
+            "pcm.!default {{\n type hw\n card 99\n hint {{ show on description \"a card that is not there\" }}\n}}\n\
+             pcm.good {{\n type file\n slave.pcm {{ type null }}\n file \"{}\"\n format \"raw\"\n hint {{ show on description \"it opens\" }}\n}}\n",
+            capture.display()
+        ),
+    )
+    .unwrap();
+    conf
+}
+
+#[test]
+fn a_missing_device_is_one_warning_a_503_and_each_line_tries_it_again() {
+    let b = bundle();
+    let d = tmp("no-device");
+    let conf = no_device_conf(&d);
+    let fifo = d.join("say");
+    let mut child = command(
+        &["serve", "--bundle", b.to_str().unwrap(), "--fifo", fifo.to_str().unwrap()],
+        &[("ALSA_CONFIG_PATH", conf.to_str().unwrap())],
+    )
+    .spawn()
+    .unwrap();
+    let _guard = common::KillOnDrop(child.id());
+    let mut err = StderrTail::new(&mut child);
+    let warning = err.wait_for("audio device 'default'", "\0", Duration::from_secs(60));
+    assert!(warning.contains("WARN") && warning.contains("POST /v1/say fail until it can be opened"), "{warning}");
+    let ready = err.wait_for("ready;", "\0", Duration::from_secs(300));
+    let port = ready.split("HTTP on http://").nth(1).and_then(|r| r.split([' ', ',', ')']).next()).unwrap().to_owned();
+    // POST /v1/say: 503, the code and the device named
+    let mut s = std::net::TcpStream::connect(&port).unwrap();
+    let body = r#"{"input":"Hello there."}"#;
+    write!(
+        s,
+        "POST /v1/say HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}",
+        body.len()
+    )
+    .unwrap();
+    let mut answer = String::new();
+    std::io::Read::read_to_string(&mut s, &mut answer).unwrap();
+    assert!(answer.starts_with("HTTP/1.1 503"), "{answer}");
+    assert!(answer.contains(r#""code":"audio_device_unavailable""#) && answer.contains("'default'"), "{answer}");
+    // a line tries the device again and fails with herald's one line, not alsa-lib's
+    let mut w = std::fs::OpenOptions::new().write(true).open(&fifo).unwrap();
+    writeln!(w, "Hello there.").unwrap();
+    let failed = err.wait_for("line 1:", "characters", Duration::from_secs(120));
+    assert!(failed.contains("audio device 'default'") && failed.contains("skipped"), "{failed}");
+    sigterm(&child);
+    let o = wait_exit(child, Duration::from_secs(30));
+    let rest = String::from_utf8_lossy(&o.stderr).into_owned();
+    let all = format!("{}\n{rest}", err.seen.join("\n"));
+    assert_eq!(o.status.code(), Some(0), "{all}");
+    assert!(!all.contains("ALSA lib"), "alsa-lib's raw lines reached stderr:\n{all}");
+    assert_eq!(all.matches("every line and POST /v1/say fail").count(), 1, "one warning:\n{all}");
+}
+
+#[test]
+fn devices_marks_which_pcms_open() {
+    let d = tmp("devices");
+    let conf = no_device_conf(&d);
+    let o = run(&["devices"], &[("ALSA_CONFIG_PATH", conf.to_str().unwrap())]);
+    let (out, e) = (String::from_utf8_lossy(&o.stdout).into_owned(), stderr(&o));
+    assert!(o.status.success(), "{e}");
+    assert!(!e.contains("ALSA lib"), "{e}");
+    let cols = |name: &str| {
+        let line = out.lines().find(|l| l.split_whitespace().next() == Some(name)).unwrap_or_else(|| panic!("no {name}: {out}"));
+        line.split_whitespace().nth(1).unwrap().to_owned()
+    };
+    assert_eq!(cols("good"), "yes", "{out}");
+    assert_eq!(cols("default"), "no", "{out}");
 }

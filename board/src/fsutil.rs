@@ -166,6 +166,29 @@ pub fn remove_stale(dir: &Path, prefix: &std::ffi::OsStr) {
     }
 }
 
+/// Remove the temporary files this process is writing for `target` (`.<name>.<own pid>-*.tmp`
+/// in its directory, symbolic links followed as [`AtomicFile::create`] does) and return their
+/// paths: for a process about to exit at once, without the drop that would remove them
+/// (`herald speak --out` on a second SIGINT). Files it cannot remove are left out of the list.
+pub fn remove_own_temps(target: &Path) -> Vec<PathBuf> {
+    let Ok(resolved) = follow_links(target) else { return Vec::new() };
+    let Some(name) = resolved.file_name() else { return Vec::new() };
+    let mut prefix = OsString::from(".");
+    prefix.push(name);
+    prefix.push(format!(".{}-", std::process::id()));
+    let prefix = prefix.to_string_lossy().into_owned();
+    let Ok(entries) = std::fs::read_dir(parent_dir(&resolved)) else { return Vec::new() };
+    entries
+        .flatten()
+        .filter(|e| {
+            let n = e.file_name();
+            let n = n.to_string_lossy();
+            n.starts_with(&prefix) && n.ends_with(".tmp")
+        })
+        .filter_map(|e| std::fs::remove_file(e.path()).ok().map(|()| e.path()))
+        .collect()
+}
+
 /// fsync a directory, so that a rename or a creation in it survives a power cut.
 ///
 /// # Errors
@@ -224,6 +247,23 @@ mod tests {
         let mut v: Vec<String> = fs::read_dir(dir).unwrap().map(|e| e.unwrap().file_name().to_string_lossy().into_owned()).collect();
         v.sort();
         v
+    }
+
+    #[test]
+    fn own_temporaries_are_removed_and_named_others_left() {
+        let dir = scratch("own");
+        let target = dir.join("out.wav");
+        let file = AtomicFile::create(&target).unwrap();
+        let temp = file.path().to_path_buf();
+        // another writer's temporary file, and a file that merely looks alike
+        let other = dir.join(".out.wav.1-abc.tmp");
+        fs::write(&other, b"x").unwrap();
+        fs::write(dir.join("out.wav.tmp"), b"x").unwrap();
+        assert_eq!(remove_own_temps(&target), vec![temp.clone()]);
+        assert!(!temp.exists() && other.exists() && !target.exists());
+        assert!(remove_own_temps(&target).is_empty());
+        drop(file);
+        fs::remove_dir_all(&dir).unwrap();
     }
 
     #[test]

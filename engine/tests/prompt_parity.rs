@@ -270,7 +270,7 @@ fn errors_name_what_is_wrong() {
     assert!(prompter.layout(&cjk, None, None, m).is_ok());
     assert!(matches!(prompter.layout("", None, None, m), Err(PromptError::EmptyText)));
     assert!(matches!(prompter.layout(" \t\r\n\u{0}\u{2003}", None, None, m), Err(PromptError::BlankText)));
-    assert!(prompter.layout(" \t\r\n\u{0}\u{2003}", None, None, m).unwrap_err().to_string().contains("whitespace"));
+    assert!(prompter.layout(" \t\r\n\u{0}\u{2003}", None, None, m).unwrap_err().to_string().contains("no letter or digit"));
 
     let missing = bundle.join("no-such-tokenizer.json");
     let mut bad = manifest.clone();

@@ -14,7 +14,10 @@
 //! - line endings `\r\n` and lone `\r` become `\n`; every other C0 control (U+0000..U+001F)
 //!   except `\t` and `\n`, DEL (U+007F) and every C1 control (U+0080..U+009F) becomes a space;
 //! - empty: [`PromptError::EmptyText`]; nothing but whitespace after that cleaning
-//!   (Unicode `White_Space`): [`PromptError::BlankText`].
+//!   (Unicode `White_Space`): [`PromptError::BlankText`]. The service refuses more at its
+//!   entry: a text without a letter or digit in any script ([`has_words`]: punctuation such as
+//!   `?!...,;:` alone makes a model babble) is refused with the same error; the layout itself
+//!   keeps such texts (the parity tests decode one).
 //!
 //! A Rust `&str` is valid UTF-8, so it cannot hold a lone surrogate (U+D800..U+DFFF); such input
 //! must be rejected or replaced where bytes become a `String` (the caller's decoding step).
@@ -40,6 +43,14 @@ pub const CAP_FRAMES_PER_TEXT_TOKEN: usize = 10;
 /// Characters that print nothing and are not `White_Space`: zero-width space/joiners, word
 /// joiner, BOM. A text made only of these (and whitespace) has nothing to say.
 pub const INVISIBLE: [char; 5] = ['\u{200B}', '\u{200C}', '\u{200D}', '\u{2060}', '\u{FEFF}'];
+
+/// Whether `text` has something to say: a letter or a digit in any script (a character with
+/// the Unicode property `Alphabetic` or `Numeric`: Latin, CJK, Arabic, Devanagari, digits…).
+/// Text of only whitespace, punctuation (`?!...,;:`), symbols or [`INVISIBLE`] characters has
+/// none.
+pub fn has_words(text: &str) -> bool {
+    text.chars().any(char::is_alphanumeric)
+}
 
 /// Tokens before the text in the chat-wrapped ids (`<|im_start|>`, `assistant`, `\n`).
 const ROLE_TOKENS: usize = 3;
@@ -137,8 +148,9 @@ pub enum PromptError {
     /// The text is empty.
     #[error("text is empty")]
     EmptyText,
-    /// The text holds nothing but whitespace and control characters.
-    #[error("text has nothing to say (only whitespace or control characters)")]
+    /// The text holds nothing but whitespace and control characters (or, refused by the
+    /// service, no letter or digit in any script: [`has_words`]).
+    #[error("text has nothing to say (no letter or digit)")]
     BlankText,
     /// The text is longer than [`MAX_TEXT_CHARS`].
     #[error("text is {chars} characters long; the limit is {limit} characters (split it)")]
@@ -454,6 +466,16 @@ impl Prompter {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_text_without_a_letter_or_digit_has_nothing_to_say() {
+        for blank in ["?!...,;:", " \t\n", "\u{200B}\u{FEFF}", "。！？…", "-- ** ##", "\u{1F600}"] {
+            assert!(!has_words(blank), "{blank:?}");
+        }
+        for words in ["a", "7", "?!a", "中", "ок", "مرحبا", "नमस्ते", "Ⅻ", "٣"] {
+            assert!(has_words(words), "{words:?}");
+        }
+    }
 
     #[test]
     fn frame_cap_is_min_of_limit_and_text_rule() {

@@ -18,11 +18,15 @@ use nix::fcntl::OFlag;
 use nix::poll::{PollFd, PollFlags};
 use nix::sys::stat::Mode;
 
+use board::audio::{AlsaSink, AudioSink};
+
 use crate::cancel::Stop;
+use crate::device::DeviceHealth;
+use crate::live::Live;
 use crate::notify::{Heartbeat, Notifier, NotifyState};
 use crate::output::Target;
 use crate::queue::Queue;
-use crate::speaker::{Job, Voice};
+use crate::speaker::Job;
 
 /// Permissions of the FIFO herald creates: the service's user may read and write, its group
 /// may write (root may always write).
@@ -41,6 +45,20 @@ pub enum FifoError {
     /// Something other than a FIFO is at the path.
     #[error("--fifo {}: exists and is not a FIFO", .0.display())]
     NotAFifo(PathBuf),
+    /// The FIFO's directory does not exist (`/run/herald` outside the systemd unit that makes it).
+    #[error(
+        "--fifo {}: the directory {} does not exist; create it, name another FIFO with --fifo PATH \
+         (serve.fifo), turn the FIFO off with serve.fifo = \"off\" (--fifo off), or run herald from its \
+         systemd unit, whose RuntimeDirectory=herald makes /run/herald",
+        .path.display(),
+        .dir.display()
+    )]
+    NoDirectory {
+        /// The FIFO.
+        path: PathBuf,
+        /// Its directory, which is missing.
+        dir: PathBuf,
+    },
     /// The path cannot be passed to the kernel.
     #[error("--fifo {}: the path contains a NUL byte", .0.display())]
     Nul(PathBuf),
@@ -91,6 +109,10 @@ impl Fifo {
             Err(e) if e.kind() == ErrorKind::NotFound => {
                 if path.as_os_str().as_encoded_bytes().contains(&0) {
                     return Err(FifoError::Nul(path.to_owned()));
+                }
+                let dir = path.parent().filter(|d| !d.as_os_str().is_empty()).unwrap_or(Path::new("."));
+                if !dir.is_dir() {
+                    return Err(FifoError::NoDirectory { path: path.to_owned(), dir: dir.to_owned() });
                 }
                 nix::unistd::mkfifo(path, Mode::from_bits_truncate(FIFO_MODE))
                     .map_err(|e| io("cannot create the FIFO: ", e.into()))?;
@@ -205,8 +227,12 @@ impl LineSplitter {
 /// What the FIFO front-end speaks with.
 #[derive(Debug, Clone)]
 pub struct FifoSettings {
-    /// The voice of every line.
-    pub voice: Voice,
+    /// The voice of every line and the settings of its output, as they are when it is read
+    /// (a reload changes them for the next line).
+    pub live: Live,
+    /// The playback device's state (when playing): a line's device failure marks it missing,
+    /// a line played marks it present. Every line tries the device again.
+    pub device: Option<DeviceHealth>,
     /// Write each line's audio as `DIR/NNNNNN.wav` (the line's number) instead of playing it.
     pub out_dir: Option<PathBuf>,
     /// The model's sample rate, Hz (for the seconds of audio in the log).
@@ -301,13 +327,28 @@ pub fn serve(
 /// Speak one line as a job and log how it went; `true` when it was spoken.
 fn speak_line(queue: &Queue, settings: &FifoSettings, heartbeat: &Heartbeat, stop: &Stop, number: u64, text: &str) -> bool {
     // the device is open only while speaking, so other clients can use it in between
+    let live = settings.live.get();
     let target = match &settings.out_dir {
-        Some(dir) => Target::File(dir.join(format!("{number:06}.wav"))),
-        None => Target::Device,
+        Some(dir) => match Target::File(dir.join(format!("{number:06}.wav"))).open(&live.output) {
+            Ok(sink) => Target::Sink { sink, plays: false },
+            Err(e) => {
+                log::error!("line {number}: {}; skipped", crate::one_line(&e));
+                return false;
+            }
+        },
+        None => {
+            let sink: Box<dyn AudioSink + Send> = Box::new(AlsaSink::new(live.output.alsa, live.output.shaper));
+            Target::Sink { sink, plays: true }
+        }
     };
+    let plays = target.plays();
     let chars = text.chars().count();
     let hb = heartbeat.clone();
-    let job = Job::new(settings.voice.request(text), target)
+    let mut job = Job::new(live.voice.request(text), target);
+    if let Some(lead) = live.amp_lead {
+        job = job.amp_lead(lead);
+    }
+    let job = job
         .on_begin(move |req| match req.seed {
             Some(s) => log::info!("line {number}: {chars} characters, seed {s}"),
             None => log::info!("line {number}: {chars} characters, greedy"),
@@ -320,6 +361,9 @@ fn speak_line(queue: &Queue, settings: &FifoSettings, heartbeat: &Heartbeat, sto
             return false;
         }
     };
+    if plays && let Some(device) = &settings.device {
+        device.note(outcome.as_ref().map(|_| ()));
+    }
     let spoken = match outcome {
         Ok(s) => s,
         Err(e) => {
@@ -403,8 +447,12 @@ mod tests {
         assert!(!p.exists());
         std::fs::write(&p, b"x").unwrap();
         assert!(matches!(Fifo::open(&p), Err(FifoError::NotAFifo(_))));
-        let e = Fifo::open(&d.join("no/such/say")).unwrap_err();
-        assert!(e.to_string().contains("cannot create the FIFO"), "{e}");
+        let e = Fifo::open(&d.join("no/such/say")).unwrap_err().to_string();
+        let dir = d.join("no/such");
+        assert!(e.contains(&format!("the directory {} does not exist", dir.display())), "{e}");
+        for fix in ["--fifo PATH", "serve.fifo = \"off\"", "RuntimeDirectory=herald"] {
+            assert!(e.contains(fix), "{fix}: {e}");
+        }
         std::fs::remove_dir_all(&d).unwrap();
     }
 }

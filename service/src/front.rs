@@ -15,14 +15,16 @@
 use std::io::Write;
 use std::sync::{Arc, OnceLock};
 
-use board::audio::{AudioSink, RawSink, WavSink};
+use board::audio::{AlsaSink, AudioSink, RawSink, WavSink};
 use engine::prompt::{PromptError, Prompter};
 use engine::{Manifest, Request};
 
 use crate::cancel::Stop;
-use crate::output::{OutputSettings, Target};
+use crate::device::{DeviceHealth, NoDevice};
+use crate::live::{Live, LiveSettings};
+use crate::output::Target;
 use crate::queue::{JobHandle, Queue, Refused};
-use crate::speaker::{Job, Speaker, Voice, check};
+use crate::speaker::{Job, JobError, Speaker, Voice, check};
 
 /// One voice a client may ask for: a speaker of the bundle and the languages it speaks.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -76,13 +78,14 @@ pub struct FrontSettings {
 pub struct Front {
     queue: Queue,
     prompter: Arc<Prompter>,
-    voice: Voice,
-    output: OutputSettings,
+    /// The voice, the outputs' settings and the text limit, which a reload may change.
+    live: Live,
+    /// The playback device's state, when herald plays ([`Front::watch_device`]).
+    device: Option<DeviceHealth>,
     sample_rate: u32,
     voices: Vec<VoiceInfo>,
     languages: Vec<String>,
     model: String,
-    max_text_chars: usize,
     stop: Stop,
 }
 
@@ -103,23 +106,47 @@ impl Front {
         let manifest = &speaker.engine().bundle().manifest;
         let (voices, languages) = catalog(manifest);
         let model = model_name(manifest);
-        let voice = speaker.settings().voice.clone();
+        // the configuration's words for the voice, in the bundle's (`en` → `english`)
+        let mut voice = speaker.settings().voice.clone();
+        voice.language = bundle_language(&languages, &voice.language);
+        voice.speaker = bundle_speaker(&voices, voice.speaker.as_deref());
         let output = speaker.settings().output.clone();
         let sample_rate = speaker.sample_rate();
         let stop = speaker.stop_handle().clone();
         let queue = speaker.start(settings.queue_length)?;
-        Ok(Front {
-            queue,
-            prompter,
-            voice,
-            output,
-            sample_rate,
-            voices,
-            languages,
-            model,
-            max_text_chars: settings.max_text_chars,
-            stop,
-        })
+        let live = Live::new(LiveSettings { voice, output, max_text_chars: settings.max_text_chars, amp_lead: None });
+        Ok(Front { queue, prompter, live, device: None, sample_rate, voices, languages, model, stop })
+    }
+
+    /// Keep track of the playback device ([`DeviceHealth`]): [`play`](Self::play) then refuses
+    /// at once while it is missing.
+    pub fn watch_device(&mut self, device: DeviceHealth) {
+        self.device = Some(device);
+    }
+
+    /// The playback device's state, when it is watched.
+    pub fn device(&self) -> Option<&DeviceHealth> {
+        self.device.as_ref()
+    }
+
+    /// The settings a reload may change ([`Live`]).
+    pub fn live(&self) -> &Live {
+        &self.live
+    }
+
+    /// `voice` in the bundle's words (`en` → `english`, `default` → no speaker), checked: a
+    /// language or speaker the bundle lacks would fail every job.
+    ///
+    /// # Errors
+    /// [`PromptError::UnknownLanguage`] or [`PromptError::UnknownSpeaker`].
+    pub fn bundle_voice(&self, voice: &Voice) -> Result<Voice, PromptError> {
+        let mut voice = voice.clone();
+        voice.language = bundle_language(&self.languages, &voice.language);
+        voice.speaker = bundle_speaker(&self.voices, voice.speaker.as_deref());
+        match check(&self.prompter, &voice.request("Hello.")) {
+            Err(e @ (PromptError::UnknownLanguage { .. } | PromptError::UnknownSpeaker { .. })) => Err(e),
+            _ => Ok(voice),
+        }
     }
 
     /// The queue, for front-ends that wait for room instead of refusing (the FIFO).
@@ -149,7 +176,7 @@ impl Front {
 
     /// The longest text a request may carry, characters.
     pub fn max_text_chars(&self) -> usize {
-        self.max_text_chars
+        self.live.get().max_text_chars
     }
 
     /// The process-wide stop (SIGINT/SIGTERM): a front-end stops accepting once it is set.
@@ -166,10 +193,11 @@ impl Front {
     /// blank text, unknown language).
     pub fn request(&self, text: &str, voice: Option<&str>, language: Option<&str>) -> Result<Request, RequestError> {
         let chars = text.chars().count();
-        if chars > self.max_text_chars {
-            return Err(RequestError::TooLong { chars, limit: self.max_text_chars });
+        let live = self.live.get();
+        if chars > live.max_text_chars {
+            return Err(RequestError::TooLong { chars, limit: live.max_text_chars });
         }
-        let mut request = self.voice.request(text);
+        let mut request = live.voice.request(text);
         match voice.map(str::trim).filter(|v| !v.is_empty()) {
             None => {}
             Some(v) if v.eq_ignore_ascii_case(DEFAULT_VOICE) => {}
@@ -192,16 +220,7 @@ impl Front {
     /// [`LANGUAGE_CODES`] to a bundle language; anything else comes back lower-cased, for the
     /// prompt check to refuse with the list of languages.
     pub fn language_name(&self, language: &str) -> String {
-        let lower = language.to_ascii_lowercase();
-        if lower == "auto" || self.languages.contains(&lower) {
-            return lower;
-        }
-        let primary = lower.split(['-', '_']).next().unwrap_or_default();
-        LANGUAGE_CODES
-            .iter()
-            .find(|(name, code)| *code == primary && self.languages.iter().any(|l| l == name))
-            .map(|(name, _)| (*name).to_owned())
-            .unwrap_or(lower)
+        bundle_language(&self.languages, language)
     }
 
     /// The voices' names, comma-separated (for messages).
@@ -234,20 +253,41 @@ impl Front {
     /// # Errors
     /// [`Refused`].
     pub fn play(&self, request: Request) -> Result<JobHandle, Refused> {
-        self.queue.try_submit(Job::new(request, Target::Device))
+        let live = self.live.get();
+        let sink: Box<dyn AudioSink + Send> = Box::new(AlsaSink::new(live.output.alsa, live.output.shaper));
+        let job = Job::new(request, Target::Sink { sink, plays: true });
+        self.queue.try_submit(match live.amp_lead {
+            Some(lead) => job.amp_lead(lead),
+            None => job,
+        })
+    }
+
+    /// Before [`play`](Self::play): whether the device is there ([`DeviceHealth::ready`]; always
+    /// `Ok` when it is not watched).
+    ///
+    /// # Errors
+    /// [`NoDevice`] while it cannot be opened.
+    pub fn device_ready(&self) -> Result<(), NoDevice> {
+        self.device.as_ref().map_or(Ok(()), DeviceHealth::ready)
+    }
+
+    /// After a job of [`play`](Self::play) ended: its device failure marks the device missing
+    /// and comes back as [`NoDevice`] ([`DeviceHealth::note`]).
+    pub fn note_played(&self, outcome: Result<(), &JobError>) -> Option<NoDevice> {
+        self.device.as_ref().and_then(|d| d.note(outcome))
     }
 
     /// A sink writing headerless S16LE mono samples at the model rate to `w` (shaped like every
     /// other output: gain, silences, fades; the same bytes as `herald speak --raw`). `target`
     /// names it in error messages.
     pub fn raw_sink(&self, w: impl Write + Send + 'static, target: &str) -> Box<dyn AudioSink + Send> {
-        Box::new(RawSink::new(w, target, self.output.shaper))
+        Box::new(RawSink::new(w, target, self.live.get().output.shaper))
     }
 
     /// A sink writing a streaming 16-bit mono WAV (header with unknown sizes, never a seek) to
     /// `w`; the samples are those of [`raw_sink`](Self::raw_sink).
     pub fn wav_sink(&self, w: impl Write + Send + 'static, target: &str) -> Box<dyn AudioSink + Send> {
-        Box::new(WavSink::stream(w, target, self.output.shaper))
+        Box::new(WavSink::stream(w, target, self.live.get().output.shaper))
     }
 }
 
@@ -293,6 +333,44 @@ pub const LANGUAGE_CODES: &[(&str, &str)] = &[
     ("beijing_dialect", "zh"),
     ("sichuan_dialect", "zh"),
 ];
+
+/// The bundle's name for `language` (one vocabulary for the command line, the configuration,
+/// HTTP and Wyoming): a name of `languages` (the bundle's `[languages]`) or `auto`, in any
+/// case; else an ISO 639-1 code or a BCP 47 tag (`en`, `en-US`, `zh_CN`) mapped through
+/// [`LANGUAGE_CODES`] to one of `languages`. Anything else comes back lower-cased, for the
+/// prompt check to refuse with the list of languages.
+pub fn bundle_language(languages: &[String], language: &str) -> String {
+    let lower = language.trim().to_ascii_lowercase();
+    if lower == "auto" || languages.contains(&lower) {
+        return lower;
+    }
+    let primary = lower.split(['-', '_']).next().unwrap_or_default();
+    LANGUAGE_CODES
+        .iter()
+        .find(|(name, code)| *code == primary && languages.iter().any(|l| l == name))
+        .map(|(name, _)| (*name).to_owned())
+        .unwrap_or(lower)
+}
+
+/// The bundle's name for `speaker` (the same vocabulary everywhere): `None`, empty or
+/// [`DEFAULT_VOICE`] (any case) mean no speaker (the configured voice of a front-end, the
+/// bundle's default for `speak`); a name of `voices` in any case is spelled as the bundle
+/// spells it; anything else is kept, for the prompt check to refuse with the list.
+pub fn bundle_speaker(voices: &[VoiceInfo], speaker: Option<&str>) -> Option<String> {
+    let given = speaker.map(str::trim).filter(|s| !s.is_empty() && !s.eq_ignore_ascii_case(DEFAULT_VOICE))?;
+    let known = voices.iter().find(|v| v.name != DEFAULT_VOICE && v.name.eq_ignore_ascii_case(given));
+    Some(known.map_or_else(|| given.to_owned(), |v| v.name.clone()))
+}
+
+/// `request`'s language and speaker in the bundle's words ([`bundle_language`],
+/// [`bundle_speaker`]): what `herald speak` takes from its flags and the configuration.
+pub fn in_bundle_words(manifest: &Manifest, request: &mut Request) {
+    let (voices, languages) = catalog(manifest);
+    if let Some(l) = &request.language {
+        request.language = Some(bundle_language(&languages, l));
+    }
+    request.speaker = bundle_speaker(&voices, request.speaker.as_deref());
+}
 
 /// The ISO 639-1 code of a bundle language name ([`LANGUAGE_CODES`]), or the name itself when
 /// it has none.

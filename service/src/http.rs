@@ -54,7 +54,8 @@
 //! - `POST /v1/say` — JSON `{input, voice?, language?}`: plays on the device's own output and
 //!   answers when the job has ended: `200 {"spoken": true, "samples": n, "sample_rate": 24000}`
 //!   (`spoken: false` when the stop cut it short; `samples` at the model rate), or an error
-//!   (500 for a device failure, with its message). A client that disconnects does not cancel a
+//!   (503 `audio_device_unavailable` naming the device while it cannot be opened, 500 for
+//!   another device failure, with its message). A client that disconnects does not cancel a
 //!   say: the announcement is played to the end.
 //! - `GET /v1/models` → the OpenAI list format with the one model ([`Front::model`]);
 //!   `GET /v1/models/{id}` → that model, or 404.
@@ -1115,6 +1116,11 @@ impl ApiError {
         ApiError { param, ..ApiError::new(StatusCode::BAD_REQUEST, message) }
     }
 
+    /// 503 `audio_device_unavailable`: the playback device cannot be opened.
+    fn no_device(e: &crate::NoDevice) -> Self {
+        ApiError::new(StatusCode::SERVICE_UNAVAILABLE, e.to_string()).code("audio_device_unavailable")
+    }
+
     fn code(mut self, code: &'static str) -> Self {
         self.code = Some(code);
         self
@@ -1649,6 +1655,8 @@ async fn say(body: &[u8], number: u64, peer: SocketAddr, shared: &Shared) -> Res
     let front = shared.slot.get().ok_or_else(ApiError::loading)?;
     let request =
         front.request(&params.input, params.voice.as_deref(), params.language.as_deref()).map_err(|e| ApiError::request(&e))?;
+    // a missing device: 503 at once, not a job that fails (crate::device)
+    front.device_ready().map_err(|e| ApiError::no_device(&e))?;
     let (done, outcome) = oneshot::channel();
     let what = format!("{number} from {peer}: say of {} characters", params.input.chars().count());
     // the say goes on when the client goes away (nobody cancels it), and its outcome is logged
@@ -1666,6 +1674,7 @@ async fn say(body: &[u8], number: u64, peer: SocketAddr, shared: &Shared) -> Res
     hand_over(&waiter, handle)?;
     match outcome.await {
         Ok(Ok(spoken)) => {
+            front.note_played(Ok(()));
             let body = json!({
                 "spoken": spoken.report.is_some(),
                 "samples": spoken.stats.input_samples,
@@ -1673,7 +1682,7 @@ async fn say(body: &[u8], number: u64, peer: SocketAddr, shared: &Shared) -> Res
             });
             Ok(json_response(StatusCode::OK, Bytes::from(body.to_string())))
         }
-        Ok(Err(e)) => Err(ApiError::job(&e)),
+        Ok(Err(e)) => Err(front.note_played(Err(&e)).map_or_else(|| ApiError::job(&e), |d| ApiError::no_device(&d))),
         Err(_) => Err(ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, "the speaker's worker ended".into())),
     }
 }

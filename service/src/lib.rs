@@ -21,10 +21,12 @@
 
 pub mod cancel;
 pub mod conns;
+pub mod device;
 pub mod fifo;
 pub mod front;
 pub mod http;
 pub mod listen;
+pub mod live;
 pub mod lookahead;
 pub mod notify;
 pub mod output;
@@ -34,7 +36,9 @@ pub mod wyoming;
 pub mod zeroconf;
 
 pub use cancel::{Cancel, Stop};
+pub use device::{DeviceHealth, NoDevice};
 pub use front::{Front, FrontSettings, RequestError, Slot, VoiceInfo};
+pub use live::{Live, LiveSettings};
 pub use output::{AtomicFile, OutputSettings, Target, write_atomic};
 pub use queue::{JobHandle, Outcome, Perform, Queue, Refused};
 pub use speaker::{

@@ -40,6 +40,23 @@ pub enum ListenError {
 /// # Errors
 /// [`ListenError::Address`].
 pub fn parse(key: &'static str, value: &str, scheme: &str) -> Result<Option<SocketAddr>, ListenError> {
+    let Some(rest) = split(key, value, scheme)? else { return Ok(None) };
+    let bad = |problem: String| ListenError::Address { key, value: value.to_owned(), problem };
+    let addr = rest
+        .to_socket_addrs()
+        .map_err(|e| bad(format!("cannot resolve the host: {e}")))?
+        .next()
+        .ok_or_else(|| bad("the host has no address".into()))?;
+    Ok(Some(addr))
+}
+
+/// The checks of [`parse`] that need no name lookup: `None` for `off`, else the `HOST:PORT`
+/// part of `value` (scheme and a trailing `/` taken off), with a host and a port from 0 to
+/// 65535. The fuzz target `address` runs it on any text.
+///
+/// # Errors
+/// [`ListenError::Address`], naming what is missing or wrong.
+pub fn split<'v>(key: &'static str, value: &'v str, scheme: &str) -> Result<Option<&'v str>, ListenError> {
     let v = value.trim();
     if v.eq_ignore_ascii_case("off") {
         return Ok(None);
@@ -59,17 +76,21 @@ pub fn parse(key: &'static str, value: &str, scheme: &str) -> Result<Option<Sock
     if rest.contains('/') {
         return Err(bad(format!("a path is not allowed; {forms}")));
     }
-    let Some((host, port)) = rest.rsplit_once(':') else { return Err(bad(format!("no port; {forms}"))) };
+    let Some((host, port)) = rest.rsplit_once(':') else {
+        if !rest.is_empty() && rest.bytes().all(|b| b.is_ascii_digit()) {
+            // a port alone: the host is what is missing
+            return Err(bad(format!(
+                "no host: {rest} is a port alone; write 127.0.0.1:{rest} (this machine only) or 0.0.0.0:{rest} \
+                 (every address); {forms}"
+            )));
+        }
+        return Err(bad(format!("no port: {rest} is a host alone; write {rest}:PORT; {forms}")));
+    };
     if host.is_empty() {
         return Err(bad(format!("no host (use 0.0.0.0 for every address); {forms}")));
     }
     port.parse::<u16>().map_err(|_| bad(format!("port {port:?} is not a number from 0 to 65535")))?;
-    let addr = rest
-        .to_socket_addrs()
-        .map_err(|e| bad(format!("cannot resolve the host: {e}")))?
-        .next()
-        .ok_or_else(|| bad("the host has no address".into()))?;
-    Ok(Some(addr))
+    Ok(Some(rest))
 }
 
 /// Bind `addr` (for `key` = `value` in messages).
@@ -145,6 +166,8 @@ mod tests {
         for (v, what) in [
             ("udp://1.2.3.4:5", "scheme"),
             ("127.0.0.1", "no port"),
+            ("18500", "no host: 18500 is a port alone; write 127.0.0.1:18500"),
+            ("tcp://10200", "no host: 10200 is a port alone"),
             ("127.0.0.1:99999", "port"),
             (":5000", "no host"),
             ("tcp://h:1/x", "path"),

@@ -121,7 +121,12 @@ pub fn plan(prompter: &Prompter, request: &Request, limits: SegmentLimits) -> Re
     if chars > MAX_LONG_TEXT_CHARS {
         return Err(PromptError::TextTooLong { chars, limit: MAX_LONG_TEXT_CHARS });
     }
-    let layout = |r: &Request| prompter.layout(&r.text, r.language.as_deref(), r.speaker.as_deref(), r.mode).map(|_| ());
+    // a text (or a segment) without a letter or digit in any script has nothing to say: a model
+    // given only punctuation babbles (engine::prompt::has_words)
+    let layout = |r: &Request| {
+        prompter.layout(&r.text, r.language.as_deref(), r.speaker.as_deref(), r.mode)?;
+        if engine::prompt::has_words(&r.text) { Ok(()) } else { Err(PromptError::BlankText) }
+    };
     let text = clean_text(&request.text);
     let ranges = engine::segment::segments(&text, limits, &mut |s| prompter.count_tokens(s));
     if ranges.len() <= 1 {
@@ -265,6 +270,8 @@ pub struct Job {
     cancel: Cancel,
     on_begin: Option<OnBegin>,
     on_chunk: Option<OnChunk>,
+    /// The amplifier's lead for this job (a reloaded `amplifier.lead_ms`); `None`: as it is.
+    amp_lead: Option<Duration>,
 }
 
 impl std::fmt::Debug for Job {
@@ -276,7 +283,14 @@ impl std::fmt::Debug for Job {
 impl Job {
     /// A job speaking `request` into `target`.
     pub fn new(request: Request, target: Target) -> Self {
-        Job { request, target, cancel: Cancel::new(), on_begin: None, on_chunk: None }
+        Job { request, target, cancel: Cancel::new(), on_begin: None, on_chunk: None, amp_lead: None }
+    }
+
+    /// Enable the amplifier line `lead` before this job's first sample (and every later job's,
+    /// until another lead is given): how a reload of `amplifier.lead_ms` reaches the line.
+    pub fn amp_lead(mut self, lead: Duration) -> Self {
+        self.amp_lead = Some(lead);
+        self
     }
 
     /// Call `f` once the sink is open, just before synthesis starts.
@@ -387,7 +401,10 @@ impl Speaker {
     /// # Errors
     /// [`JobError`]; the speaker stays usable.
     pub fn speak(&mut self, job: Job) -> Result<Spoken, JobError> {
-        let Job { request, target, cancel, on_begin, mut on_chunk } = job;
+        let Job { request, target, cancel, on_begin, mut on_chunk, amp_lead } = job;
+        if let (Some(lead), Some(amp)) = (amp_lead, self.amp.as_mut()) {
+            amp.set_lead(lead);
+        }
         if cancel.is_cancelled() {
             return Err(JobError::Cancelled);
         }

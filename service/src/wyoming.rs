@@ -792,7 +792,9 @@ impl<'a> Connection<'a> {
                     Mode::Streaming { voice, .. } => voice.clone(),
                     Mode::Single => VoiceAsk::default(),
                 };
-                for s in sentences {
+                // a stream's piece without a letter or digit (a stray quote or dash between
+                // sentences) is dropped, not answered with an error mid-stream
+                for s in sentences.into_iter().filter(|s| engine::prompt::has_words(s)) {
                     self.speak(front, &s, &voice)?;
                 }
             }
@@ -800,7 +802,7 @@ impl<'a> Connection<'a> {
                 let Mode::Streaming { voice, pending, overflowed } = std::mem::replace(&mut self.mode, Mode::Single) else {
                     return Ok(self.error("synthesize-stop outside synthesize-start … synthesize-stop", "bad-request")?);
                 };
-                if !overflowed && !pending.trim().is_empty() {
+                if !overflowed && engine::prompt::has_words(&pending) {
                     self.speak(front, pending.trim(), &voice)?;
                 }
                 self.out.send("synthesize-stopped", &Value::Null)?;

@@ -212,4 +212,11 @@ fn texts_over_the_long_text_limit_are_refused_with_the_limit() {
     assert!(parts.len() > 100);
     let max = engine::segment::max_segment_tokens(1024);
     assert!(parts.iter().all(|p| s.engine().bundle().prompter.count_tokens(&p.text) <= max));
+    // no letter or digit in any script: nothing to say (the layout alone would take it)
+    for blank in ["?!...,;:", "。！？", " -- "] {
+        let e = s.plan(&s.request(blank)).unwrap_err();
+        assert!(matches!(e, engine::prompt::PromptError::BlankText), "{blank:?}: {e}");
+        assert!(e.to_string().contains("nothing to say"), "{e}");
+    }
+    assert_eq!(s.plan(&s.request("?!a")).unwrap().len(), 1);
 }

@@ -199,7 +199,8 @@ def test_bad_requests_get_an_error_and_the_connection_stays_usable(server):
                        Synthesize(text="Hi.", voice=SynthesizeVoice(language="klingon")).event(),
                        SynthesizeChunk(text="outside a stream").event(),
                        Event(type="synthesize", data={"text": "Hi.", "voice": 5}),
-                       Event(type="synthesize", data={"text": "Hi.", "voice": {"name": 7}})]:
+                       Event(type="synthesize", data={"text": "Hi.", "voice": {"name": 7}}),
+                       Synthesize(text="?!...,;:").event()]:
                 await c.write_event(ev)
                 out.append(await asyncio.wait_for(c.read_event(), 30))
             await c.write_event(Describe().event())
@@ -207,15 +208,16 @@ def test_bad_requests_get_an_error_and_the_connection_stays_usable(server):
             return out
 
     out = asyncio.run(go())
-    assert [e.type for e in out[:7]] == ["error"] * 7, [(e.type, e.data) for e in out]
-    errors = [Error.from_event(e) for e in out[:7]]
+    assert [e.type for e in out[:8]] == ["error"] * 8, [(e.type, e.data) for e in out]
+    errors = [Error.from_event(e) for e in out[:8]]
     assert [e.code for e in errors] == ["unknown-voice", "bad-request", "too-long", "bad-request", "bad-request",
-                                        "bad-request", "bad-request"]
+                                        "bad-request", "bad-request", "bad-request"]
+    assert "nothing to say" in errors[7].text, errors[7].text  # punctuation alone: no letter or digit
     assert "voice" in errors[5].text and "voice.name" in errors[6].text
     assert "nobody" in errors[0].text and "ryan" in errors[0].text, errors[0].text
     assert "4096" in errors[2].text and "serve.max_text_chars" in errors[2].text
     assert "klingon" in errors[3].text
-    assert Info.is_type(out[7].type), "the connection still answers"
+    assert Info.is_type(out[8].type), "the connection still answers"
 
 
 def test_a_lone_surrogate_is_a_bad_request_and_the_connection_stays_usable(server):
@@ -410,7 +412,7 @@ def test_sigterm_mid_stream_ends_the_stream_and_exits_0(tmp_path):
     assert len(pcm) % 2 == 0
     assert len(pcm) < len(speak_raw(text)), "the stream was cut short"
     assert s.proc.wait(timeout=30) == 0, s.log_text()
-    assert "stopping;" in s.log_text()
+    assert "stopping on SIGTERM;" in s.log_text()
 
 
 def test_a_stream_over_the_limit_ends_with_synthesize_stopped_and_no_audio(server):

@@ -1,11 +1,16 @@
 //! `herald serve`: the appliance mode that the systemd unit runs.
 //!
-//! herald loads the bundle once, creates a FIFO (default [`DEFAULT_FIFO`]) and speaks every
-//! line of UTF-8 text written to it, one line at a time, through the configured ALSA device (or
-//! into one WAV file per line with `--out-dir`). A line that cannot be spoken (not UTF-8, too
-//! long, nothing to say, a failing device) is logged with its line number and skipped; the
-//! service keeps running. SIGTERM or SIGINT stops the current line within a frame (with a
-//! fade-out) and exits with code 0.
+//! herald loads the bundle once, creates a FIFO (`serve.fifo`, default [`config::DEFAULT_FIFO`]; `off`
+//! for none) and speaks every line of UTF-8 text written to it, one line at a time, through the
+//! configured ALSA device (or into one WAV file per line with `--out-dir`). A line that cannot
+//! be spoken (not UTF-8, too long, nothing to say, a failing device) is logged with its line
+//! number and skipped; the service keeps running. SIGTERM or SIGINT stops the current line
+//! within a frame (with a fade-out) and exits with code 0, naming the signal; SIGHUP reloads the
+//! configuration ([`reload`]) and never stops herald.
+//!
+//! The audio device is opened once at start (and closed: no sound); when it cannot be, one
+//! warning says so, `POST /v1/say` answers 503 while it stays missing, and every line tries it
+//! again (service::device).
 //!
 //! This file is the wiring: configuration, start-up order and exit codes. The speaking is the
 //! service crate's [`Speaker`] and its queue, the FIFO reading [`service::fifo`], and the
@@ -15,9 +20,9 @@
 
 use std::net::{SocketAddr, TcpListener};
 use std::path::{Path, PathBuf};
+use std::sync::{Mutex, PoisonError};
 use std::time::{Duration, Instant};
 
-use service::Speaker;
 use service::fifo::{Fifo, FifoSettings, Served};
 use service::front::{Front, FrontSettings, Slot};
 use service::http::{HttpServer, HttpSettings};
@@ -25,14 +30,14 @@ use service::listen;
 use service::notify::{Heartbeat, Notifier, NotifyState, Watchdog};
 use service::wyoming::{WyomingServer, WyomingSettings};
 use service::zeroconf;
+use service::{DeviceHealth, LiveSettings, Speaker};
 
 use super::{init_logging_from, load_config, rss_text};
-use crate::config::{CliOverrides, ServeConfig, Zeroconf};
+use crate::config::{self, CliOverrides, Config, ServeConfig, Zeroconf};
 use crate::exit::{self, Failure, fail};
 
-/// The FIFO `herald serve` reads when `--fifo` is not given (in systemd's
-/// `RuntimeDirectory=herald`).
-pub const DEFAULT_FIFO: &str = "/run/herald/say";
+/// How often the loop without a FIFO checks for the stop and beats the watchdog's heartbeat.
+const IDLE_POLL: Duration = Duration::from_millis(200);
 
 /// How long the network servers get, after the stop, to end their streams (the job in
 /// progress is cut at a frame boundary, so this is one frame and a flush in practice).
@@ -42,9 +47,9 @@ const SHUTDOWN_GRACE: Duration = Duration::from_secs(2);
 #[derive(clap::Args, Debug)]
 pub struct ServeArgs {
     /// The FIFO to read lines of text from (created when missing; removed on exit if herald
-    /// created it).
-    #[arg(long, value_name = "PATH", default_value = DEFAULT_FIFO)]
-    fifo: PathBuf,
+    /// created it), or `off` for none (overrides serve.fifo; default /run/herald/say).
+    #[arg(long, value_name = "PATH")]
+    fifo: Option<String>,
     /// Write each line's audio as a 16-bit mono WAV `DIR/NNNNNN.wav` (NNNNNN = the line's
     /// number since start, from 000001) instead of playing it.
     #[arg(long, value_name = "DIR")]
@@ -61,6 +66,8 @@ pub struct ServeArgs {
 /// (2 configuration, FIFO or output folder; 3 amplifier line; 4 bundle); once running, a line
 /// that fails is logged and skipped.
 pub fn run(config: Option<&Path>, args: ServeArgs) -> Result<(), Failure> {
+    // SIGHUP reloads, and never stops serve, from the start on (signals.rs)
+    crate::signals::defer_hangup();
     // before any thread: a daemon that starts threads all the time keeps its arenas bounded
     let arenas = board::malloc::bound_arenas();
     let mut cfg = load_config(config)?;
@@ -68,8 +75,9 @@ pub fn run(config: Option<&Path>, args: ServeArgs) -> Result<(), Failure> {
     if arenas {
         log::debug!("malloc: at most {} arenas (MALLOC_ARENA_MAX overrides)", board::malloc::SERVE_ARENAS);
     }
-    let overrides = CliOverrides { bundle: args.bundle, device: args.device, ..CliOverrides::default() };
+    let overrides = CliOverrides { bundle: args.bundle, device: args.device, fifo: args.fifo, ..CliOverrides::default() };
     cfg.apply_cli(&overrides).map_err(|e| fail(exit::INPUT, e))?;
+    let fifo_path = fifo_path(&cfg.serve.fifo);
     if let Some(dir) = &args.out_dir
         && !dir.is_dir()
     {
@@ -87,14 +95,25 @@ pub fn run(config: Option<&Path>, args: ServeArgs) -> Result<(), Failure> {
             n.notify(states);
         }
     };
-    let settings = crate::speaker::settings(&cfg, args.out_dir.is_none());
-    let voice = settings.voice.clone();
+    let plays = args.out_dir.is_none();
+    let settings = crate::speaker::settings(&cfg, plays);
     // The network front-ends' addresses and sockets: a bad or busy address stops here, before
     // the model loads.
-    let net = Network::open(&cfg.serve)?;
+    let net = Network::open(&cfg.serve, cfg.origin("serve.api_key"))?;
+    if fifo_path.is_none() && net.wyoming.is_none() && net.http.is_none() {
+        return Err(fail(
+            exit::INPUT,
+            anyhow::anyhow!("nothing to serve: serve.fifo, serve.wyoming and serve.http are all \"off\"; turn one of them on"),
+        ));
+    }
+    // The audio device, once (open and close, no sound): missing, it is one warning, not a stop.
+    let device = plays.then(|| DeviceHealth::new(&cfg.audio.device));
+    if let Some(d) = &device {
+        d.check_at_start();
+    }
     // The amplifier line (only when playing): a missing chip or line stops here, at start-up.
     let preparing = Speaker::prepare(settings, crate::STOP.clone())?;
-    let fifo = Fifo::open(&args.fifo)?;
+    let fifo = fifo_path.as_deref().map(Fifo::open).transpose()?;
     // Both sockets listen from now on. HTTP answers at once (/healthz: "loading"); Wyoming
     // clients wait in the backlog until the model is in the slot.
     let slot = Slot::new();
@@ -116,13 +135,22 @@ pub fn run(config: Option<&Path>, args: ServeArgs) -> Result<(), Failure> {
     let chosen = crate::backend::choose(&cfg, &manifest, tuned.profile.class)?;
     log::info!("{}", chosen.why);
     let speaker = preparing.load_with_fallback(dir, &tuned.settings, chosen.backend.as_ref(), chosen.fallback.as_deref())?;
-    // A language or speaker the bundle lacks would fail every line: refuse to start instead.
-    speaker.check_voice().map_err(|e| fail(exit::INPUT, e))?;
-    let lines =
-        FifoSettings { voice, out_dir: args.out_dir, sample_rate: speaker.sample_rate(), kv_capacity: cfg.synthesis.kv_capacity };
+    let sample_rate = speaker.sample_rate();
     let front_settings = FrontSettings { queue_length: cfg.serve.queue_length, max_text_chars: cfg.serve.max_text_chars };
-    let front = Front::start(speaker, &front_settings)
+    let mut front = Front::start(speaker, &front_settings)
         .map_err(|e| fail(exit::BUG, anyhow::Error::new(e).context("cannot start the speaker")))?;
+    // A language or speaker the bundle lacks would fail every line: refuse to start instead.
+    front.bundle_voice(&front.live().get().voice).map_err(|e| fail(exit::INPUT, e))?;
+    if let Some(d) = &device {
+        front.watch_device(d.clone());
+    }
+    let lines = FifoSettings {
+        live: front.live().clone(),
+        device: device.clone(),
+        out_dir: args.out_dir,
+        sample_rate,
+        kv_capacity: cfg.synthesis.kv_capacity,
+    };
     if slot.fill(front).is_err() {
         return Err(fail(exit::BUG, anyhow::anyhow!("the speaker was started twice")));
     }
@@ -130,13 +158,26 @@ pub fn run(config: Option<&Path>, args: ServeArgs) -> Result<(), Failure> {
     if crate::STOP.is_stopped() {
         // SIGTERM while the model loaded: never say ready, stop at once (clients waiting in the
         // Wyoming backlog see the connection closed)
-        log::info!("stopping before ready (SIGTERM or SIGINT while loading)");
+        log::info!("stopping on {} before ready (it came while the model loaded)", crate::signals::stopped_by().unwrap_or("a signal"));
         notify(&[NotifyState::Stopping]);
         servers.shutdown(SHUTDOWN_GRACE);
         return Ok(());
     }
     servers.start_wyoming(&mut net, &cfg.serve, &slot)?;
-    let mut ready = format!("ready; reading lines from {}", fifo.path().display());
+    let reloading = Reloading {
+        explicit: config.map(Path::to_path_buf),
+        overrides,
+        started: cfg.clone(),
+        applied: Mutex::new(cfg.clone()),
+        slot: slot.clone(),
+        device,
+        plays,
+    };
+    crate::signals::on_hangup(move || reloading.reload());
+    let mut ready = match &fifo {
+        Some(f) => format!("ready; reading lines from {}", f.path().display()),
+        None => "ready; no FIFO (serve.fifo = \"off\")".to_owned(),
+    };
     for s in servers.describe() {
         ready.push_str(&format!(", {s}"));
     }
@@ -146,8 +187,18 @@ pub fn run(config: Option<&Path>, args: ServeArgs) -> Result<(), Failure> {
     let watchdog = notifier.as_ref().and_then(|n| Watchdog::start(n, &heartbeat));
 
     let mut served = Served::default();
-    let result = service::fifo::serve(&fifo, front.queue(), &lines, notifier.as_ref(), &heartbeat, &crate::STOP, &mut served);
-    let stopping = format!("stopping; {} line(s) spoken, {} skipped", served.spoken, served.skipped);
+    let result = match &fifo {
+        Some(fifo) => service::fifo::serve(fifo, front.queue(), &lines, notifier.as_ref(), &heartbeat, &crate::STOP, &mut served),
+        None => {
+            while !crate::STOP.is_stopped() {
+                heartbeat.beat();
+                std::thread::sleep(IDLE_POLL);
+            }
+            Ok(())
+        }
+    };
+    let why = crate::signals::stopped_by().map_or_else(String::new, |s| format!(" on {s}"));
+    let stopping = format!("stopping{why}; {} line(s) spoken, {} skipped", served.spoken, served.skipped);
     log::info!("{stopping}");
     notify(&[NotifyState::Stopping, NotifyState::Status(&stopping)]);
     // the stop has cut the job in progress at a frame boundary; its stream ends cleanly
@@ -177,7 +228,7 @@ impl Network {
     /// Parse `serve.wyoming` and `serve.http`, check that a non-loopback HTTP address has an
     /// `api_key`, and take each socket from systemd's socket activation (matched by port) or
     /// bind it. Exit code 2 for every problem (the message names the key).
-    fn open(cfg: &ServeConfig) -> Result<Network, Failure> {
+    fn open(cfg: &ServeConfig, api_key_origin: &str) -> Result<Network, Failure> {
         let input = |e: listen::ListenError| fail(exit::INPUT, e);
         let wyoming = listen::parse("serve.wyoming", &cfg.wyoming, "tcp").map_err(input)?;
         let http = listen::parse("serve.http", &cfg.http, "http").map_err(input)?;
@@ -189,6 +240,24 @@ impl Network {
                 exit::INPUT,
                 anyhow::anyhow!("serve.api_key is blank or has white space around it; a bearer token cannot carry it"),
             ));
+        }
+        // set, but empty (`HERALD_SERVE_API_KEY=`): no key, like every optional key left empty
+        let empty_key = cfg.api_key.is_none() && api_key_origin != "default";
+        if let Some(a) = http
+            && !a.ip().is_loopback()
+            && empty_key
+        {
+            return Err(fail(
+                exit::INPUT,
+                anyhow::anyhow!(
+                    "serve.api_key is empty ({api_key_origin}), but serve.http = {:?} is reachable from other machines \
+                     and needs a key: give it a value, or listen on a loopback address",
+                    cfg.http
+                ),
+            ));
+        }
+        if http.is_some() && empty_key {
+            log::info!("serve.api_key is empty ({api_key_origin}): the HTTP API on loopback needs no key");
         }
         if let Some(a) = http
             && !a.ip().is_loopback()
@@ -303,6 +372,99 @@ impl Servers {
         }
         if let Some(w) = wyoming {
             w.finish(deadline);
+        }
+    }
+}
+
+/// The FIFO of `serve.fifo`: `None` for `off` (any case; a FIFO named `off` is `./off`).
+fn fifo_path(value: &str) -> Option<PathBuf> {
+    let v = value.trim();
+    (!v.eq_ignore_ascii_case("off")).then(|| PathBuf::from(value))
+}
+
+/// The keys a SIGHUP applies to the running service (docs/reliability.md "Signals"): the
+/// shaping and ALSA settings of each new output, the voice of a request that names none, the
+/// amplifier line's lead and the longest text a network request may carry. Every other key
+/// needs a restart (the amplifier's chip, line and level: the line is held open).
+pub const RELOADABLE: &[&str] = &[
+    "audio.device",
+    "audio.format",
+    "audio.volume",
+    "audio.leading_silence_ms",
+    "audio.trailing_silence_ms",
+    "audio.fade_ms",
+    "audio.period_ms",
+    "audio.buffer_periods",
+    "synthesis.language",
+    "synthesis.speaker",
+    "synthesis.mode",
+    "synthesis.sampling",
+    "synthesis.seed",
+    "serve.max_text_chars",
+    "amplifier.lead_ms",
+];
+
+/// What a SIGHUP needs to reload the configuration.
+struct Reloading {
+    /// `--config`, if given (else `HERALD_CONFIG` or the default file, as at start).
+    explicit: Option<PathBuf>,
+    /// The command line's flags, applied again on top.
+    overrides: CliOverrides,
+    /// The configuration herald started with (what needs a restart is compared with it).
+    started: Config,
+    /// The configuration whose reloadable keys are in effect.
+    applied: Mutex<Config>,
+    slot: Slot,
+    device: Option<DeviceHealth>,
+    plays: bool,
+}
+
+impl Reloading {
+    /// Read the configuration again (file, the environment herald started with, the flags) and
+    /// apply the [`RELOADABLE`] keys that changed; name the other changed keys in one line
+    /// "... needs a restart". A configuration with an error changes nothing (one error line).
+    fn reload(&self) {
+        let mut new = match Config::load(self.explicit.as_deref(), &Config::process_env()) {
+            Ok(c) => c,
+            Err(e) => {
+                log::error!("SIGHUP: {e}; nothing was changed");
+                return;
+            }
+        };
+        if let Err(e) = new.apply_cli(&self.overrides) {
+            log::error!("SIGHUP: {e}; nothing was changed");
+            return;
+        }
+        let mut applied = self.applied.lock().unwrap_or_else(PoisonError::into_inner);
+        let changed: Vec<&str> = RELOADABLE.iter().copied().filter(|k| applied.get(k) != new.get(k)).collect();
+        let restart: Vec<&str> = config::keys().filter(|k| !RELOADABLE.contains(k) && self.started.get(k) != new.get(k)).collect();
+        if !changed.is_empty() {
+            let Some(front) = self.slot.get() else { return };
+            let settings = crate::speaker::settings(&new, self.plays);
+            let voice = match front.bundle_voice(&settings.voice) {
+                Ok(v) => v,
+                Err(e) => {
+                    log::error!("SIGHUP: {e}; nothing was changed");
+                    return;
+                }
+            };
+            let amp_lead = Some(Duration::from_millis(new.amplifier.lead_ms.into()));
+            front.live().set(LiveSettings { voice, output: settings.output, max_text_chars: new.serve.max_text_chars, amp_lead });
+            if let Some(d) = &self.device {
+                d.set_device(&new.audio.device);
+            }
+            let list: Vec<String> =
+                changed.iter().map(|k| format!("{k} = {}", new.get(k).unwrap_or_else(|| "(not set)".into()))).collect();
+            log::info!("SIGHUP: reloaded {} (from the next request on)", list.join(", "));
+            *applied = new;
+        } else if restart.is_empty() {
+            log::info!("SIGHUP: the configuration has not changed");
+        }
+        if !restart.is_empty() {
+            log::warn!(
+                "SIGHUP: {} changed, which needs a restart (systemctl restart herald); the rest is reloaded",
+                restart.join(", ")
+            );
         }
     }
 }

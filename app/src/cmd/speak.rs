@@ -89,10 +89,17 @@ fn read_text(arg: Option<String>) -> Result<String, Failure> {
             // Never read more than the longest accepted text can take (4 bytes per character).
             let limit = engine::segment::MAX_LONG_TEXT_CHARS * 4 + 4;
             let mut bytes = Vec::new();
-            stdin
-                .take(limit as u64 + 1)
-                .read_to_end(&mut bytes)
-                .map_err(|e| fail(exit::INPUT, anyhow::Error::new(e).context("reading standard input")))?;
+            // nothing to finish cleanly yet: a SIGINT/SIGTERM now exits at once (signals.rs)
+            crate::signals::reading_input(true);
+            if crate::STOP.is_stopped() {
+                return Err(fail(
+                    exit::INTERRUPTED,
+                    anyhow::anyhow!("stopped by a signal before the text was read; nothing was spoken"),
+                ));
+            }
+            let read = stdin.take(limit as u64 + 1).read_to_end(&mut bytes);
+            crate::signals::reading_input(false);
+            read.map_err(|e| fail(exit::INPUT, anyhow::Error::new(e).context("reading standard input")))?;
             if bytes.len() > limit {
                 return Err(fail(
                     exit::INPUT,
@@ -130,6 +137,28 @@ fn target(out: Option<&str>, raw: bool) -> Result<Target, Failure> {
     })
 }
 
+/// Tell the signal thread what a second SIGINT/SIGTERM (exit at once) leaves behind: for
+/// `--out FILE`, the unfinished temporary file is removed (the file is as it was before) or,
+/// when the audio was finished already, the file is kept.
+fn say_what_a_second_signal_leaves(out: Option<&str>, raw: bool) {
+    match (out, raw) {
+        (_, true) | (Some("-"), _) => {
+            crate::signals::on_second_signal(|| "the audio on standard output ends mid-stream".into());
+        }
+        (Some(path), false) => {
+            let path = PathBuf::from(path);
+            crate::signals::on_second_signal(move || {
+                if board::fsutil::remove_own_temps(&path).is_empty() {
+                    format!("--out {}: its audio was finished and is kept", path.display())
+                } else {
+                    format!("--out {}: not written; its unfinished temporary file was removed", path.display())
+                }
+            });
+        }
+        (None, false) => crate::signals::on_second_signal(|| "the playback was cut off".into()),
+    }
+}
+
 fn speak(cfg: &Config, text: &str, out: Option<&str>, raw: bool) -> Result<(), Failure> {
     let t0 = Instant::now();
     let plays = out.is_none() && !raw;
@@ -149,6 +178,8 @@ fn speak(cfg: &Config, text: &str, out: Option<&str>, raw: bool) -> Result<(), F
     if cfg.model.verify {
         crate::cmd::info::verify(dir, &manifest)?;
     }
+    // `--language en`, `--speaker default`: the words HTTP and Wyoming take, too
+    service::front::in_bundle_words(&manifest, &mut request);
     let rate = manifest.audio.sample_rate;
     // The board: thread placement, memory (a bundle that cannot fit is refused here), ramp.
     let tuned = tuning::tune(cfg, dir, &manifest)?;
@@ -173,6 +204,7 @@ fn speak(cfg: &Config, text: &str, out: Option<&str>, raw: bool) -> Result<(), F
     // Check the text and the voice before touching the device.
     service::check_in(dir, &manifest, &request)?;
     let sink = target(out, raw)?.open(&settings.output).map_err(|e| fail(exit::sink_code(&e), e))?;
+    say_what_a_second_signal_leaves(out, raw);
     // The amplifier line (only when playing): a missing chip or line stops here.
     let mut preparing = Speaker::prepare(settings, crate::STOP.clone())?;
     // Open the output before the graphs are ready: a busy or missing device fails fast.

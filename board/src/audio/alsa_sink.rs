@@ -88,6 +88,94 @@ pub fn list_playback_devices() -> Result<Vec<DeviceInfo>, SinkError> {
         .collect())
 }
 
+/// Whether a playback PCM can be opened now, without a sound: [`probe_device`]'s answer.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Openable {
+    /// It opened (and was closed at once).
+    Yes,
+    /// It exists, but another program holds it (EBUSY).
+    Busy,
+    /// It cannot be opened; the error says why.
+    No,
+}
+
+/// Open `device` for playback (non-blocking, no hardware parameters: nothing is played) and
+/// close it at once: whether the device is there. alsa-lib's own messages go to the log at
+/// debug level ([`quiet`]).
+///
+/// # Errors
+/// [`SinkError::NotFound`] for a PCM or card that does not exist, [`SinkError::Busy`] (one
+/// attempt) when another program holds it, [`SinkError::Config`] for a name alsa-lib cannot
+/// take, and the open's error otherwise.
+pub fn probe_device(device: &str) -> Result<(), SinkError> {
+    if device.is_empty() || device.contains('\0') {
+        return Err(SinkError::Config(format!("invalid ALSA device name {device:?}")));
+    }
+    match quiet(|| PCM::new(device, Direction::Playback, true)) {
+        Ok(pcm) => {
+            drop(pcm);
+            Ok(())
+        }
+        Err(e) if matches!(e.errno(), libc::EBUSY | libc::EAGAIN) => {
+            Err(SinkError::Busy { device: device.to_owned(), attempts: 1, waited_ms: 0 })
+        }
+        Err(e) => Err(open_error(device, e)),
+    }
+}
+
+/// [`probe_device`] as [`Openable`].
+pub fn openable(device: &str) -> Openable {
+    match probe_device(device) {
+        Ok(()) => Openable::Yes,
+        Err(SinkError::Busy { .. }) => Openable::Busy,
+        Err(_) => Openable::No,
+    }
+}
+
+/// The error of a failed `snd_pcm_open` (not busy).
+fn open_error(device: &str, e: alsa::Error) -> SinkError {
+    if matches!(e.errno(), libc::ENOENT | libc::ENODEV | libc::ENXIO) {
+        SinkError::NotFound { device: device.to_owned(), source: e }
+    } else {
+        alsa_error(device, "snd_pcm_open", e)
+    }
+}
+
+thread_local! {
+    /// This thread's alsa-lib error buffer ([`quiet`]).
+    static ALSA_ERRORS: std::cell::RefCell<Option<std::rc::Rc<std::cell::RefCell<alsa::Output>>>> =
+        const { std::cell::RefCell::new(None) };
+}
+
+/// Run `f` with alsa-lib's error messages (the `ALSA lib pcm.c:… Unknown PCM …` lines it prints
+/// to standard error by default) caught in a buffer: alsa-lib's thread-local error handler,
+/// `snd_lib_error_set_local`, through the alsa crate's [`alsa::Output::local_error_handler`].
+/// They go to the log at debug level; herald's own one-line error says what failed. Messages
+/// alsa-lib printed on this thread since the last call (while playing) are logged first.
+pub fn quiet<T>(f: impl FnOnce() -> T) -> T {
+    let log_buffer = |buffer: &std::rc::Rc<std::cell::RefCell<alsa::Output>>| {
+        let text = buffer.borrow().to_string();
+        for line in text.lines().filter(|l| !l.trim().is_empty()) {
+            log::debug!("alsa-lib: {line}");
+        }
+    };
+    // a fresh buffer each time: the old one is logged and dropped (alsa-lib has no call that
+    // empties one)
+    let old = ALSA_ERRORS.with_borrow_mut(|slot| slot.take());
+    if let Some(b) = &old {
+        log_buffer(b);
+    }
+    let fresh = alsa::Output::local_error_handler().ok();
+    let out = f();
+    if let Some(b) = &fresh {
+        log_buffer(b);
+        // empty again, and installed for what alsa-lib says later on this thread
+        let again = alsa::Output::local_error_handler().ok();
+        ALSA_ERRORS.with_borrow_mut(|slot| *slot = again);
+    }
+    out
+}
+
 /// The open PCM and what the device granted.
 struct Open {
     pcm: PCM,
@@ -193,10 +281,7 @@ impl AlsaSink {
                     );
                     std::thread::sleep(self.settings.busy_retry_delay);
                 }
-                Err(e) if matches!(e.errno(), libc::ENOENT | libc::ENODEV | libc::ENXIO) => {
-                    return Err(SinkError::NotFound { device: device.clone(), source: e });
-                }
-                Err(e) => return Err(self.err("snd_pcm_open", e)),
+                Err(e) => return Err(open_error(device, e)),
             }
         }
     }
@@ -572,7 +657,7 @@ fn wait_for_room(
 impl AudioSink for AlsaSink {
     fn begin(&mut self, sample_rate: u32) -> Result<(), SinkError> {
         self.stage.begin(sample_rate)?;
-        match self.open_device(sample_rate) {
+        match quiet(|| self.open_device(sample_rate)) {
             Ok(open) => {
                 self.open = Some(open);
                 self.frames = 0;

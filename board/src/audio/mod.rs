@@ -25,7 +25,7 @@ mod resample;
 mod shaper;
 mod stage;
 
-pub use alsa_sink::{AlsaSettings, AlsaSink, DeviceInfo, list_playback_devices};
+pub use alsa_sink::{AlsaSettings, AlsaSink, DeviceInfo, Openable, list_playback_devices, openable, probe_device, quiet};
 pub use file::{NullSink, RawSink, WavSink, streaming_wav_header};
 pub use resample::StreamResampler;
 pub use shaper::{Shaper, ShaperSettings, fade_weight, ms_to_samples};

@@ -65,6 +65,12 @@ where
         self.lead
     }
 
+    /// Wait `lead` after driving the line active from the next enable on (a reload of
+    /// `amplifier.lead_ms`).
+    pub fn set_lead(&mut self, lead: Duration) {
+        self.lead = lead;
+    }
+
     /// Whether the low level enables the amplifier.
     pub fn active_low(&self) -> bool {
         self.active_low
@@ -158,6 +164,27 @@ mod tests {
         a.enable().unwrap();
         a.disable().unwrap();
         assert_eq!(events(&log), [Event::Pin(State::Low), Event::Sleep(LEAD), Event::Pin(State::High)]);
+        drop(a);
+        mock.done();
+    }
+
+    #[test]
+    fn a_new_lead_applies_from_the_next_enable() {
+        let (mut a, mut mock, log) = amp(&[set(State::High), set(State::Low), set(State::High), set(State::Low)], false, LEAD);
+        a.enable().unwrap();
+        a.set_lead(Duration::from_millis(7));
+        a.disable().unwrap();
+        a.enable().unwrap();
+        a.disable().unwrap();
+        let want = [
+            Event::Pin(State::High),
+            Event::Sleep(LEAD),
+            Event::Pin(State::Low),
+            Event::Pin(State::High),
+            Event::Sleep(Duration::from_millis(7)),
+            Event::Pin(State::Low),
+        ];
+        assert_eq!(events(&log), want);
         drop(a);
         mock.done();
     }

@@ -1,0 +1,46 @@
+//! The settings `herald serve` may change while it runs (SIGHUP, docs/reliability.md
+//! "Signals"): the voice of a request that names none, the shaping and ALSA settings of each
+//! new output, the amplifier line's lead, and the longest text a network request may carry. Every job reads them when it
+//! is made, so a change applies from the next job on; the one in progress keeps what it began
+//! with.
+
+use std::sync::{Arc, PoisonError, RwLock};
+use std::time::Duration;
+
+use crate::output::OutputSettings;
+use crate::speaker::Voice;
+
+/// The settings themselves (see the [module](self) docs).
+#[derive(Debug, Clone)]
+pub struct LiveSettings {
+    /// The voice of a request that does not name one.
+    pub voice: Voice,
+    /// Gain, silences and fades of each output, and the ALSA device it plays on.
+    pub output: OutputSettings,
+    /// The longest text a network request may carry, characters (`serve.max_text_chars`).
+    pub max_text_chars: usize,
+    /// How long before the first sample the amplifier line goes on (`amplifier.lead_ms`);
+    /// `None`: as the line was opened.
+    pub amp_lead: Option<Duration>,
+}
+
+/// A shared handle on [`LiveSettings`]: clones see the same settings.
+#[derive(Debug, Clone)]
+pub struct Live(Arc<RwLock<LiveSettings>>);
+
+impl Live {
+    /// A handle holding `settings`.
+    pub fn new(settings: LiveSettings) -> Self {
+        Live(Arc::new(RwLock::new(settings)))
+    }
+
+    /// A copy of the settings now.
+    pub fn get(&self) -> LiveSettings {
+        self.0.read().unwrap_or_else(PoisonError::into_inner).clone()
+    }
+
+    /// Replace the settings (for the next job on).
+    pub fn set(&self, settings: LiveSettings) {
+        *self.0.write().unwrap_or_else(PoisonError::into_inner) = settings;
+    }
+}
