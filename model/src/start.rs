@@ -249,6 +249,87 @@ impl StartPlanner {
     }
 }
 
+/// A place the player waited ([`played`]): before the chunk that starts at frame `at_frame`
+/// (frames of the whole job, pauses between segments not counted), until `open` seconds.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Hold {
+    /// Frames queued before the hold.
+    pub at_frame: usize,
+    /// When it opened, seconds on the chunks' clock.
+    pub open: f64,
+    /// A segment's start (a sentence boundary), not a pause inside a segment.
+    pub boundary: bool,
+}
+
+/// How a gated player played a job: its chunks, its holds and the silence put between
+/// segments, with the playback clock of a device that never waits by itself.
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub struct Played {
+    /// Seconds from the request to the first sample played.
+    pub start: f64,
+    /// Waits inside a segment (a late chunk, or a pause the policy made there), seconds.
+    pub stall: f64,
+    /// Their number.
+    pub gaps: usize,
+    /// Waits at segment boundaries beyond the configured pause, seconds.
+    pub boundary_wait: f64,
+}
+
+impl fmt::Display for Played {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(
+            f,
+            "played: start {:.0} ms, stall {:.0} ms in {} gap(s) inside a segment, {:.0} ms of waits at segment boundaries",
+            self.start * 1e3,
+            self.stall * 1e3,
+            self.gaps,
+            self.boundary_wait * 1e3
+        )
+    }
+}
+
+/// Play `chunks` (`(arrival s, frames)`, job clock) through a player that waits at `holds`
+/// (sorted by frame) and plays `silence_s` before each boundary hold but the first, each frame
+/// lasting `frame_s`. A wait shorter than [`crate::metrics::STALL_EPSILON`] is not a gap.
+pub fn played(chunks: &[(f64, usize)], holds: &[Hold], silence_s: f64, frame_s: f64) -> Played {
+    let mut out = Played::default();
+    let mut cursor: Option<f64> = None;
+    let mut frame = 0usize;
+    let mut h = holds.iter().peekable();
+    for &(t, n) in chunks {
+        let mut wait_until = t;
+        let mut boundary = false;
+        while let Some(hold) = h.next_if(|x| x.at_frame <= frame) {
+            if let Some(c) = cursor.as_mut().filter(|_| hold.boundary) {
+                *c += silence_s;
+            }
+            wait_until = wait_until.max(hold.open);
+            boundary |= hold.boundary;
+        }
+        match cursor {
+            None => {
+                out.start = wait_until;
+                cursor = Some(wait_until);
+            }
+            Some(c) if wait_until > c + crate::metrics::STALL_EPSILON => {
+                if boundary {
+                    out.boundary_wait += wait_until - c;
+                } else {
+                    out.stall += wait_until - c;
+                    out.gaps += 1;
+                }
+                cursor = Some(wait_until);
+            }
+            Some(_) => {}
+        }
+        if let Some(c) = cursor.as_mut() {
+            *c += n as f64 * frame_s;
+        }
+        frame += n;
+    }
+    out
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -286,6 +367,27 @@ mod tests {
         assert_eq!(m.seconds_per_frame(), None);
         m.chunk(0.5, 2);
         assert_eq!(m.seconds_per_frame(), Some(0.25));
+    }
+
+    #[test]
+    fn played_counts_gaps_inside_and_waits_at_boundaries() {
+        // chunks of 2 frames (0.16 s) at 0.1, 0.3, 0.5; held to 0.2 at the start: 0.2-0.36,
+        // 0.36-0.52 (chunk 2 at 0.3, in time), chunk 3 at 0.5 in time too: no gap
+        let c = [(0.1, 2), (0.3, 2), (0.5, 2)];
+        let hold = |at_frame, open, boundary| Hold { at_frame, open, boundary };
+        let p = played(&c, &[hold(0, 0.2, true)], 0.0, D);
+        assert_eq!((p.start, p.gaps, p.stall), (0.2, 0, 0.0));
+        // started at the first chunk: 0.1-0.26, waits 0.04 for chunk 2 (0.3-0.46), 0.04 for
+        // chunk 3: what PlaybackMetrics counts for an immediate start
+        let p = played(&c, &[], 0.0, D);
+        assert_eq!((p.start, p.gaps), (0.1, 2));
+        assert!((p.stall - 0.08).abs() < 1e-9);
+        assert_eq!(PlaybackMetrics::from_chunks(&c, D).stalls, 2);
+        // a second segment from frame 4 held to 1.0, after 0.25 s of silence: the player is at
+        // 0.2 + 0.32 + 0.25 = 0.77, waits 0.23 at the boundary
+        let p = played(&c, &[hold(0, 0.2, true), hold(4, 1.0, true)], 0.25, D);
+        assert_eq!(p.gaps, 0);
+        assert!((p.boundary_wait - 0.23).abs() < 1e-9, "{p:?}");
     }
 
     #[test]

@@ -115,7 +115,8 @@ pub fn run(config: Option<&Path>, args: ServeArgs) -> Result<(), Failure> {
     backend_tract::set_graph_cache_dir(Some(cfg.runtime.graph_cache_dir.clone()));
     let chosen = crate::backend::choose(&cfg, &manifest, tuned.profile.class)?;
     log::info!("{}", chosen.why);
-    let speaker = preparing.load_with_fallback(dir, &tuned.settings, chosen.backend.as_ref(), chosen.fallback.as_deref())?;
+    let mut speaker = preparing.load_with_fallback(dir, &tuned.settings, chosen.backend.as_ref(), chosen.fallback.as_deref())?;
+    tuned.attach(&mut speaker, &manifest, dir, crate::tuning::AUTO_CALIBRATION_UTTERANCES);
     // A language or speaker the bundle lacks would fail every line: refuse to start instead.
     speaker.check_voice().map_err(|e| fail(exit::INPUT, e))?;
     let lines =
