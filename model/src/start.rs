@@ -330,6 +330,39 @@ pub fn played(chunks: &[(f64, usize)], holds: &[Hold], silence_s: f64, frame_s: 
     out
 }
 
+/// The holds `planner` decides over a recorded timeline `chunks` (`(arrival s, frames)`, the
+/// planner's clock) for a player that is free from the start: the start is decided at every
+/// chunk's arrival until its time comes before the next arrival; then every chunk may add a
+/// resume hold at the end of the audio queued so far. Production does not depend on the player,
+/// so this is what the gated player would have done with these chunks ([`played`] plays it).
+pub fn replay(chunks: &[(f64, usize)], mut planner: StartPlanner) -> Vec<Hold> {
+    let frame_s = planner.frame_s;
+    let mut holds = Vec::new();
+    let mut started = false;
+    let mut cursor = 0.0; // when the audio queued so far has played
+    let mut pending: Option<f64> = None; // a resume hold not reached yet
+    for (i, &(t, n)) in chunks.iter().enumerate() {
+        planner.chunk(t, n);
+        if !started {
+            let d = planner.start();
+            let next = chunks.get(i + 1).map_or(f64::INFINITY, |c| c.0);
+            if d.at < next {
+                started = true;
+                holds.push(Hold { at_frame: 0, open: d.at, boundary: true });
+                cursor = d.at + planner.produced() as f64 * frame_s;
+            }
+            continue;
+        }
+        let resume = pending.take().unwrap_or(0.0).max(t);
+        cursor = cursor.max(resume) + n as f64 * frame_s;
+        if let Some(d) = planner.resume(cursor - t) {
+            holds.push(Hold { at_frame: planner.produced(), open: d.at, boundary: false });
+            pending = Some(d.at);
+        }
+    }
+    holds
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -490,6 +523,18 @@ mod tests {
                     }
                 }
             }
+        }
+    }
+
+    #[test]
+    fn replay_and_played_agree_with_the_simulated_player() {
+        for rtf in [0.7, 1.5] {
+            let s = rtf * D;
+            let chunks = pipeline(0.0, 0.15, s, 0.4 * s, 2, 50);
+            let planner = || StartPlanner::new(D, 2, 50, Some(s), 0.01, f64::INFINITY);
+            let (start, gaps, _) = play(&chunks, planner(), 0.0);
+            let p = played(&chunks, &replay(&chunks, planner()), 0.0, D);
+            assert!((p.start - start).abs() < 1e-9 && p.gaps == gaps.len(), "RTF {rtf}: {p:?} vs {start} {gaps:?}");
         }
     }
 

@@ -163,6 +163,8 @@ struct Played {
     first: Option<Instant>,
     /// Underruns: how long the device had nothing to play, each.
     gaps: Vec<Duration>,
+    /// The same, with the samples played before each.
+    gap_at: Vec<(usize, Duration)>,
     samples: usize,
 }
 
@@ -189,15 +191,17 @@ impl AudioSink for Clocked {
         let len = Duration::from_secs_f64(samples.len() as f64 / self.rate);
         let mut log = self.log.lock().unwrap();
         log.first.get_or_insert(now);
-        log.samples += samples.len();
         let end = match self.end {
             Some(e) if e >= now => e + len,
             Some(e) => {
                 log.gaps.push(now - e);
+                let at = log.samples;
+                log.gap_at.push((at, now - e));
                 now + len
             }
             None => now + len,
         };
+        log.samples += samples.len();
         drop(log);
         self.end = Some(end);
         if let Some(wait) = end.checked_duration_since(Instant::now() + BUFFER) {
@@ -272,4 +276,30 @@ fn below_real_time_playback_starts_at_the_first_audio() {
     assert!(played.gaps.iter().all(|g| *g <= GAP), "gaps: {:?}", played.gaps);
     // the first chunk plays when it is ready: the request-to-engine overhead and a wake-up
     assert!(start - report.ttfa < 0.03, "started at {start:.3} s, first audio at {:.3} s", report.ttfa);
+}
+
+#[test]
+fn a_long_text_waits_only_at_its_segment_boundaries() {
+    // 1.5 × real time, two segments of 16 frames each (the forced end applies to each)
+    let times =
+        Times { step: Duration::from_millis(120), prefill: Duration::from_millis(30), vocoder_per_frame: Duration::from_millis(30) };
+    let voice = Voice { language: "auto".into(), speaker: None, mode: Default::default(), seeding: Seeding::greedy() };
+    let start = StartSettings { policy: StartPolicy::PlayThrough, max_delay: Duration::from_secs(30), calibrated: None };
+    let reading = Reading { segment_tokens: 12, pause: Duration::from_millis(100) };
+    let settings = SpeakerSettings { voice, amplifier: None, output: OutputSettings::default(), reading, start };
+    let engine = EngineSettings { kv_capacity: 1024, ramp: Some(vec![2]), ..EngineSettings::default() };
+    let mut speaker = Speaker::prepare(settings, Stop::new()).unwrap().load_with(&bundle(), &engine, &Timed(times)).unwrap();
+    let text = "The first sentence has quite a few words in it. The second sentence has about as many words.";
+    let mut req = speaker.request(text);
+    req.force_eos_at = Some(16);
+    assert_eq!(speaker.plan(&req).unwrap().len(), 2, "two segments");
+    let log = Arc::new(Mutex::new(Played::default()));
+    let sink = Clocked { log: Arc::clone(&log), end: None, rate: 24_000.0 };
+    let spoken = speaker.speak(Job::new(req, Target::Sink { sink: Box::new(sink), plays: true })).unwrap();
+    assert_eq!(spoken.report.unwrap().frames, 32);
+    let played = log.lock().unwrap();
+    // the second segment starts after 16 frames and the pause
+    let boundary = 16 * 1920 + 2400;
+    let inside: Vec<_> = played.gap_at.iter().filter(|(at, g)| *g > GAP && *at != boundary).collect();
+    assert!(inside.is_empty(), "gaps inside a segment (samples before, length): {inside:?}");
 }
