@@ -322,7 +322,7 @@ settings! {
         /// starts at the first audio, a slower one a little later and then plays without a gap,
         /// pausing at a segment boundary if it must ([engine.md](engine.md#playback-start)).
         /// `immediate`: at the first audio, as before (a board slower than real time stutters).
-        /// Files are always written at once.
+        /// Files, standard output and the audio sent to network clients are written at once.
         start_policy: StartPolicyChoice = StartPolicyChoice::PlayThrough, OneOf;
         /// The longest `play-through` waits before playback starts, in milliseconds from the
         /// request (Home Assistant's satellites give up on audio that has not started within
