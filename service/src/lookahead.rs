@@ -40,6 +40,11 @@ struct State {
     opens: Vec<Option<Instant>>,
     /// Holds the player has passed.
     passed: usize,
+    /// Samples per second of the audio ([`Feeder::set_rate`]; 0: unknown).
+    rate: u32,
+    /// When the audio handed to the sink so far has played, on a device that plays it in real
+    /// time from the first write and after every underrun (the sink's own blocking aside).
+    played_until: Option<Instant>,
     /// Samples in `queue`.
     queued: usize,
     /// The producer is done: the player drains the queue and ends.
@@ -137,6 +142,23 @@ impl Feeder<'_> {
         self.lock().queued
     }
 
+    /// The audio's sample rate, Hz: the player then keeps the clock of a device that plays in
+    /// real time ([`Feeder::ahead`]).
+    pub fn set_rate(&self, rate: u32) {
+        self.lock().rate = rate;
+    }
+
+    /// Seconds of audio ahead of the device at `now`: what was handed to the sink and has not
+    /// played yet by the clock of a real-time device, plus what is queued. 0 without a rate.
+    pub fn ahead(&self, now: Instant) -> f64 {
+        let st = self.lock();
+        if st.rate == 0 {
+            return 0.0;
+        }
+        let handed = st.played_until.and_then(|t| t.checked_duration_since(now)).map_or(0.0, |d| d.as_secs_f64());
+        handed + st.queued as f64 / f64::from(st.rate)
+    }
+
     /// Queue `n` samples of digital silence.
     ///
     /// # Errors
@@ -204,6 +226,13 @@ pub fn play_ahead<R>(
                     }
                     st = changed.wait_timeout(st, wait).map(|(g, _)| g).unwrap_or_else(|p| p.into_inner().0);
                 };
+                if let (Some(item), rate) = (&item, st.rate)
+                    && rate > 0
+                {
+                    let now = Instant::now();
+                    let from = st.played_until.filter(|t| *t > now).unwrap_or(now);
+                    st.played_until = Some(from + Duration::from_secs_f64(item.len() as f64 / f64::from(rate)));
+                }
                 drop(st);
                 changed.notify_all();
                 let Some(item) = item else { break };
@@ -310,6 +339,29 @@ mod tests {
         assert_eq!(passed, ((1, false, 1), true));
         assert!(failed.is_none());
         assert_eq!(sink.got, [1.0, 1.0, 2.0]);
+    }
+
+    #[test]
+    fn ahead_is_what_a_real_time_device_has_yet_to_play() {
+        let mut sink = capture(None);
+        let cancel = Cancel::new();
+        play_ahead(&mut sink, 100, &cancel, |f| {
+            assert_eq!(f.ahead(Instant::now()), 0.0, "no rate, no clock");
+            f.set_rate(10);
+            let h = f.hold();
+            f.push(&[0.5; 10]).unwrap();
+            // held: one second queued, nothing handed to the device
+            assert!((f.ahead(Instant::now()) - 1.0).abs() < 1e-9);
+            f.open_at(h, Instant::now());
+            while f.queued() > 0 {
+                std::thread::sleep(Duration::from_millis(1));
+            }
+            // handed over: the device plays it for a second from then
+            let now = Instant::now();
+            let ahead = f.ahead(now);
+            assert!(ahead > 0.5 && ahead <= 1.0, "{ahead}");
+            assert_eq!(f.ahead(now + Duration::from_secs(2)), 0.0);
+        });
     }
 
     #[test]

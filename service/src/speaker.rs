@@ -788,6 +788,7 @@ fn read_into(
     let frame_seconds = f64::from(m.samples_per_frame) / f64::from(m.sample_rate);
     let (read, failed) = crate::lookahead::play_ahead(sink, capacity, cancel, |feed| -> Result<Option<Report>, JobError> {
         let mut whole: Option<Report> = None;
+        feed.set_rate(m.sample_rate);
         for (i, part) in parts.iter().enumerate() {
             if i > 0 && pause > 0 && feed.silence(pause).is_err() {
                 return Ok(None);
@@ -871,7 +872,6 @@ struct Gate {
     margin: f64,
     frames_per_token: f64,
     frame_s: f64,
-    sample_rate: f64,
 }
 
 impl Gate {
@@ -889,7 +889,6 @@ impl Gate {
             margin: cal.map_or(DEFAULT_START_MARGIN, |c| c.jitter.max(DEFAULT_START_MARGIN)),
             frames_per_token,
             frame_s: f64::from(m.samples_per_frame) / f64::from(m.sample_rate),
-            sample_rate: f64::from(m.sample_rate),
         }
     }
 
@@ -905,7 +904,7 @@ impl Gate {
         let predicted = start::predict_frames(tokens, self.frames_per_token, start::LENGTH_MARGIN, cap);
         // the budget: the first segment's start counts from the request; a later one's wait
         // from when the player reaches it (after what is queued)
-        let ahead = feed.queued() as f64 / self.sample_rate;
+        let ahead = feed.ahead(t);
         let max = self.policy.max_delay.as_secs_f64();
         let deadline = if i == 0 { (max - t.duration_since(self.t0).as_secs_f64()).max(0.0) } else { ahead + max };
         let hold = feed.hold();
@@ -925,7 +924,6 @@ impl Gate {
             hold,
             planner: StartPlanner::new(self.frame_s, chunk, predicted, self.prior, self.margin, deadline),
             holds: vec![Hold { at_frame: 0, open: deadline, boundary: true }],
-            sample_rate: self.sample_rate,
         }
     }
 }
@@ -940,7 +938,6 @@ struct Segment {
     planner: StartPlanner,
     /// The holds, the segment's clock and frames; the first is the segment's start.
     holds: Vec<Hold>,
-    sample_rate: f64,
 }
 
 impl Segment {
@@ -963,7 +960,9 @@ impl Segment {
                 if d.capped { " (the budget)" } else { "" }
             );
         } else if feed.holds_ahead() == 0 {
-            let queued = feed.queued() as f64 / self.sample_rate;
+            // what the device has yet to play, by its clock (a sink that takes audio faster
+            // than real time, like ALSA's null device, must not look dry)
+            let queued = feed.ahead(when(at));
             if let Some(d) = self.planner.resume(queued) {
                 let h = feed.hold();
                 feed.open_at(h, when(d.at));
