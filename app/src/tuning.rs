@@ -310,11 +310,15 @@ impl Tuned {
 /// A calibration from what a speaker's utterances measured (`fingerprint`, `hardware` and
 /// `bundle` left empty for the caller): the rate, decode time per frame, prefill, vocoder cost
 /// per chunk and TTFA are the medians, the jitter the worst lateness of a timeline against the
-/// model those make (at least [`MIN_JITTER_MS`]), the schedule derived as `herald calibrate`
-/// derives it. `None` before an utterance measured anything.
+/// model those make (at least [`MIN_JITTER_MS`]); the schedule keeps the ramp it was measured
+/// with (`formula` is the derivation, for reference). `None` before an utterance measured
+/// anything or with an empty ramp.
 pub fn auto_calibration(learned: &service::Learned, ramp: &[usize], left_context: usize, frame_ms: f64) -> Option<Calibration> {
     use service::speaker::median_of;
     let spf = learned.median_seconds_per_frame()?;
+    if ramp.is_empty() {
+        return None;
+    }
     let ms_per_frame = spf * 1e3;
     let decode_ms_per_frame = median_of(&learned.decode_seconds_per_frame)? * 1e3;
     let prefill_ms = median_of(&learned.prefill_seconds)? * 1e3;
@@ -352,7 +356,15 @@ pub fn auto_calibration(learned: &service::Learned, ramp: &[usize], left_context
         bundle: String::new(),
         profile_override: false,
         formula: calibration::derive_schedule(ms_per_frame, jitter, steady),
-        schedule: calibration::derive_checked_schedule(&measured, steady, left_context, 300),
+        // the ramp it measured with, not a derived one: the rates are for the start policy, and
+        // a derived ramp can start with an odd chunk the stateful vocoder pays a padded frame
+        // and a plan of its own for (measured: RTF 1.2 -> 2.2 with [1, 2] at 0.6B q4);
+        // `herald calibrate` derives and checks a schedule
+        schedule: calibration::Schedule {
+            ramp: ramp.to_vec(),
+            first_chunk: ramp[0],
+            ..calibration::derive_schedule(ms_per_frame, jitter, steady)
+        },
         measured,
     })
 }

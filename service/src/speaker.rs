@@ -223,7 +223,7 @@ pub struct Learned {
     pub vocoder_seconds: Vec<(usize, f64)>,
     /// Seconds from the request to the first chunk.
     pub ttfa: Vec<f64>,
-    /// Frames per text token of utterances that ended by themselves (eos).
+    /// Frames per text token of utterances that ended by themselves (eos) or at the frame cap.
     pub frames_per_token: Vec<f64>,
     /// Chunk timelines, `(arrival s, frames)`.
     pub timelines: Vec<Vec<(f64, usize)>>,
@@ -242,7 +242,11 @@ fn keep<T>(v: &mut Vec<T>, x: T) {
 impl Learned {
     /// Note one utterance of `tokens` text tokens.
     pub fn add(&mut self, report: &Report, tokens: usize, chunk: usize) {
-        if let Some(fpt) = (report.stop == StopReason::Eos && tokens > 0).then(|| report.frames as f64 / tokens as f64) {
+        // an utterance that ran to the frame cap counts too: a model that never stops early
+        // (random weights) speaks that long every time; a rare runaway is an outlier the
+        // median ignores
+        let ended = matches!(report.stop, StopReason::Eos | StopReason::Cap);
+        if let Some(fpt) = (ended && tokens > 0).then(|| report.frames as f64 / tokens as f64) {
             keep(&mut self.frames_per_token, fpt);
         }
         let Some(rate) = board::calibration::rate_from_chunks(&report.chunk_times).filter(|_| report.chunk_times.len() >= 3) else {
@@ -922,7 +926,7 @@ impl Gate {
         Segment {
             t,
             hold,
-            planner: StartPlanner::new(self.frame_s, chunk, predicted, self.prior, self.margin, deadline),
+            planner: StartPlanner::new(self.frame_s, chunk, predicted, self.prior, self.margin, deadline).with_cap(cap),
             holds: vec![Hold { at_frame: 0, open: deadline, boundary: true }],
         }
     }
