@@ -79,6 +79,8 @@ pub const MAX_TEXT_CHARS: RangeInclusive<usize> = 1..=engine::segment::MAX_LONG_
 pub const SEGMENT_TOKENS: RangeInclusive<usize> = 8..=5000;
 /// `synthesis.segment_pause_ms`: up to 5 s.
 pub const SEGMENT_PAUSE_MS: RangeInclusive<u32> = 0..=5000;
+/// `synthesis.max_start_delay_ms`: up to 60 s.
+pub const MAX_START_DELAY_MS: RangeInclusive<u32> = 0..=60_000;
 /// `serve.request_timeout_s`.
 pub const REQUEST_TIMEOUT_S: RangeInclusive<u32> = 1..=600;
 /// `serve.idle_timeout_s`.
@@ -316,6 +318,21 @@ settings! {
         segment_tokens: usize = engine::segment::DEFAULT_SEGMENT_TOKENS, Within(SEGMENT_TOKENS);
         /// Milliseconds of silence between two segments of a long text.
         segment_pause_ms: u32 = 250, Within(SEGMENT_PAUSE_MS);
+        /// When playback starts on a device. `play-through`: once the audio already made plus
+        /// what will be made while it plays covers the utterance (or, in a long text, the
+        /// segment), predicted from the board's production rate (its calibration, then what the
+        /// running utterance measures) and the text's length; a board faster than real time
+        /// starts at the first audio, a slower one a little later and then plays without a gap,
+        /// pausing at a segment boundary if it must ([engine.md](engine.md#playback-start)).
+        /// `immediate`: at the first audio, as before (a board slower than real time stutters).
+        /// Files, standard output and the audio sent to network clients are written at once.
+        start_policy: StartPolicyChoice = StartPolicyChoice::PlayThrough, OneOf;
+        /// The longest `play-through` waits before playback starts, in milliseconds from the
+        /// request (Home Assistant's satellites give up on audio that has not started within
+        /// 2-5 s). An utterance that needs longer starts at this budget and then pauses once,
+        /// as briefly as the measured rate allows; a pause at a segment boundary is held to
+        /// it too.
+        max_start_delay_ms: u32 = 3000, Within(MAX_START_DELAY_MS);
     }
 
     /// Compute threads, the stored calibration and the memory pools.
@@ -695,6 +712,26 @@ named! {
         Streaming = "streaming",
         /// The whole text is in the prefill.
         NonStreaming = "non-streaming",
+    }
+}
+
+named! {
+    /// `synthesis.start_policy`: when playback starts (`model::start`).
+    StartPolicyChoice {
+        /// Once the audio made plus what is made while it plays covers the utterance.
+        PlayThrough = "play-through",
+        /// At the first audio.
+        Immediate = "immediate",
+    }
+}
+
+impl StartPolicyChoice {
+    /// The policy of `model::start`.
+    pub fn policy(self) -> model::start::StartPolicy {
+        match self {
+            StartPolicyChoice::PlayThrough => model::start::StartPolicy::PlayThrough,
+            StartPolicyChoice::Immediate => model::start::StartPolicy::Immediate,
+        }
     }
 }
 

@@ -4,7 +4,7 @@
 use std::time::Duration;
 
 use engine::prompt::PromptMode;
-use service::{AmpSettings, OutputSettings, Reading, Seeding, SpeakerSettings, Voice};
+use service::{AmpSettings, OutputSettings, Reading, Seeding, SpeakerSettings, StartSettings, Voice};
 
 use crate::config::{ActiveLevel, Config, SynthesisMode};
 
@@ -33,5 +33,16 @@ pub fn settings(cfg: &Config, plays: bool) -> SpeakerSettings {
         lead: Duration::from_millis(a.lead_ms.into()),
     });
     let reading = Reading { segment_tokens: s.segment_tokens, pause: Duration::from_millis(s.segment_pause_ms.into()) };
-    SpeakerSettings { voice, amplifier, output: OutputSettings { shaper: cfg.shaper_settings(), alsa: cfg.alsa_settings() }, reading }
+    let start = StartSettings {
+        policy: s.start_policy.policy(),
+        max_delay: Duration::from_millis(s.max_start_delay_ms.into()),
+        calibrated: None,
+    };
+    SpeakerSettings {
+        voice,
+        amplifier,
+        output: OutputSettings { shaper: cfg.shaper_settings(), alsa: cfg.alsa_settings() },
+        reading,
+        start,
+    }
 }

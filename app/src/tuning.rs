@@ -14,7 +14,7 @@
 use model::backend::VocoderForm;
 use std::path::{Path, PathBuf};
 
-use board::calibration::{self, Lookup};
+use board::calibration::{self, Calibration, Lookup, MIN_JITTER_MS, Measured};
 use board::derive::{self, Derived, DoesNotFit};
 use board::probe::{HardwareProfile, ProbeError};
 use engine::{EngineSettings, Manifest};
@@ -70,6 +70,13 @@ pub struct Tuned {
     pub settings: EngineSettings,
     /// Compute threads for the process-wide executor (loading, and both stages when unpinned).
     pub threads: usize,
+    /// The stored calibration in use (its ramp is the engine's unless `synthesis.ramp` is set).
+    pub calibration: Option<Box<Calibration>>,
+    /// No usable calibration is stored for this board and bundle and the probe is live: the
+    /// first utterances measure one ([`Tuned::auto_calibration`]).
+    pub calibrate_automatically: bool,
+    /// Where a calibration of this board and bundle is stored.
+    pub calibration_dir: PathBuf,
 }
 
 /// What `dir`'s bundle needs in memory: every file of the bundle directory except the
@@ -172,11 +179,26 @@ pub fn tune_for(cfg: &Config, dir: &Path, m: &Manifest, profile: HardwareProfile
     let fingerprint = calibration::fingerprint(&profile, &bundle_id);
     let default = default_ramp(cfg, form);
     let steady = default.last().copied().unwrap_or(25);
+    let live = !profile.source.starts_with("override:");
+    // the calibration: its rates serve the start policy even when synthesis.ramp is set; one
+    // written by another herald version is measured again (its numbers may no longer hold)
+    let lookup = match calibration::load(&cfg.runtime.calibration_dir, &fingerprint, steady, live) {
+        Lookup::Found(cal, path) if cal.herald != HERALD_VERSION => Lookup::Ignored(format!(
+            "{}: written by herald {}, this is herald {HERALD_VERSION}; measuring again",
+            path.display(),
+            cal.herald
+        )),
+        other => other,
+    };
+    let calibration = match &lookup {
+        Lookup::Found(cal, _) => Some(cal.clone()),
+        _ => None,
+    };
+    let calibrate_automatically = live && calibration.is_none() && cfg.origin("synthesis.ramp") == "default";
     let (ramp, ramp_source) = if cfg.origin("synthesis.ramp") != "default" {
         (default, RampSource::Configured)
     } else {
-        let live = !profile.source.starts_with("override:");
-        match calibration::load(&cfg.runtime.calibration_dir, &fingerprint, steady, live) {
+        match lookup {
             Lookup::Found(cal, path) => (cal.schedule.ramp.clone(), RampSource::Calibrated(path)),
             Lookup::Missing(path) => (default, RampSource::Default(path)),
             Lookup::Ignored(why) => (default, RampSource::Ignored(why)),
@@ -195,10 +217,61 @@ pub fn tune_for(cfg: &Config, dir: &Path, m: &Manifest, profile: HardwareProfile
         vocoder_cpus,
         pool_bytes: cfg.runtime.frame_pool_mib << 20,
     };
-    Ok(Tuned { profile, derived, fingerprint, ramp_source, settings, threads })
+    let calibration_dir = cfg.runtime.calibration_dir.clone();
+    Ok(Tuned { profile, derived, fingerprint, ramp_source, settings, threads, calibration, calibrate_automatically, calibration_dir })
 }
 
+/// herald's version, written into a calibration and compared when one is read.
+pub const HERALD_VERSION: &str = env!("CARGO_PKG_VERSION");
+
+/// Utterances the automatic calibration measures before it stores the board's rates.
+pub const AUTO_CALIBRATION_UTTERANCES: usize = 3;
+
 impl Tuned {
+    /// The stored calibration's rates for the playback start policy.
+    pub fn stage_rates(&self) -> Option<service::StageRates> {
+        self.calibration.as_ref().map(|c| service::StageRates {
+            seconds_per_frame: c.measured.ms_per_frame / 1e3,
+            jitter: c.measured.jitter_ms / 1e3,
+            frames_per_token: c.measured.frames_per_token,
+        })
+    }
+
+    /// Give `speaker` the stored calibration's rates and, on a board without one, the
+    /// automatic calibration: after `utterances` measured utterances (`serve`:
+    /// [`AUTO_CALIBRATION_UTTERANCES`]; `speak`, which speaks once: 1) their rates are stored as
+    /// this board's calibration (atomically, [`calibration::store`]; a failure is one warning).
+    pub fn attach(&self, speaker: &mut service::Speaker, manifest: &Manifest, dir: &Path, utterances: usize) {
+        speaker.set_calibrated(self.stage_rates());
+        if !self.calibrate_automatically {
+            return;
+        }
+        let ramp = speaker.engine().ramp().to_vec();
+        let left_context = speaker.engine().vocoder_left_context();
+        let frame_ms = 1e3 * f64::from(manifest.audio.samples_per_frame) / f64::from(manifest.audio.sample_rate);
+        let fingerprint = self.fingerprint.clone();
+        let hardware = self.profile.describe();
+        let bundle = format!("{} ({} {} {})", dir.display(), manifest.model.family, manifest.model.size, manifest.model.dtype);
+        let store_dir = self.calibration_dir.clone();
+        speaker.on_learned(
+            utterances,
+            Box::new(move |learned| {
+                let Some(cal) = auto_calibration(learned, &ramp, left_context, frame_ms) else { return };
+                let cal = Calibration { fingerprint: fingerprint.clone(), hardware: hardware.clone(), bundle: bundle.clone(), ..cal };
+                match calibration::store(&store_dir, &cal) {
+                    Ok(p) => log::info!(
+                        "calibration measured by the first {} utterances ({:.1} ms per frame, RTF {:.2}) stored in {}",
+                        cal.measured.utterances,
+                        cal.measured.ms_per_frame,
+                        cal.measured.rtf,
+                        p.display()
+                    ),
+                    Err(e) => log::warn!("cannot store the automatic calibration: {e}"),
+                }
+            }),
+        );
+    }
+
     /// Log the decisions: one line each, warnings for what the user should know.
     pub fn log(&self) {
         log::info!("board: {}", self.profile.describe());
@@ -225,10 +298,73 @@ impl Tuned {
             RampSource::Configured => log::info!("chunk ramp {ramp:?} from synthesis.ramp"),
             RampSource::Calibrated(p) => log::info!("using calibration {}: chunk ramp {ramp:?}", p.display()),
             RampSource::Default(p) => log::info!(
-                "no calibration for this board and bundle ({} is absent): default chunk ramp {ramp:?}; run `herald calibrate`",
+                "no calibration for this board and bundle ({} is absent): default chunk ramp {ramp:?}; \
+                 the first utterances measure one (or run `herald calibrate`)",
                 p.display()
             ),
             RampSource::Ignored(why) => log::warn!("ignoring calibration {why}; default chunk ramp {ramp:?}"),
         }
     }
+}
+
+/// A calibration from what a speaker's utterances measured (`fingerprint`, `hardware` and
+/// `bundle` left empty for the caller): the rate, decode time per frame, prefill, vocoder cost
+/// per chunk and TTFA are the medians, the jitter the worst lateness of a timeline against the
+/// model those make (at least [`MIN_JITTER_MS`]); the schedule keeps the ramp it was measured
+/// with (`formula` is the derivation, for reference). `None` before an utterance measured
+/// anything or with an empty ramp.
+pub fn auto_calibration(learned: &service::Learned, ramp: &[usize], left_context: usize, frame_ms: f64) -> Option<Calibration> {
+    use service::speaker::median_of;
+    let spf = learned.median_seconds_per_frame()?;
+    if ramp.is_empty() {
+        return None;
+    }
+    let ms_per_frame = spf * 1e3;
+    let decode_ms_per_frame = median_of(&learned.decode_seconds_per_frame)? * 1e3;
+    let prefill_ms = median_of(&learned.prefill_seconds)? * 1e3;
+    let steady = ramp.last().copied().unwrap_or(1).max(1);
+    let voc: Vec<f64> = learned.vocoder_seconds.iter().map(|v| v.1 * 1e3).collect();
+    let vocoder_ms = std::collections::BTreeMap::from([(left_context + steady, median_of(&voc)?)]);
+    let cost = |w: usize| calibration::vocoder_cost_ms(&vocoder_ms, w);
+    let jitter = learned
+        .timelines
+        .iter()
+        .map(|t| {
+            let frames = t.iter().map(|c| c.1).sum();
+            calibration::lateness_ms(t, &calibration::simulate(ramp, decode_ms_per_frame, prefill_ms, &cost, left_context, frames))
+        })
+        .fold(MIN_JITTER_MS, f64::max);
+    let measured = Measured {
+        utterances: learned.utterances,
+        rate_frames_per_s: 1.0 / spf,
+        ms_per_frame,
+        rtf: ms_per_frame / frame_ms,
+        decode_ms_per_frame,
+        jitter_ms: jitter,
+        prefill_ms,
+        vocoder_ms,
+        ttfa_default_ms: median_of(&learned.ttfa)? * 1e3,
+        frames_per_token: learned.median_frames_per_token(),
+        source: Some("automatic".into()),
+    };
+    Some(Calibration {
+        version: calibration::FORMAT_VERSION,
+        fingerprint: String::new(),
+        herald: HERALD_VERSION.to_string(),
+        created_unix: std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_secs()),
+        hardware: String::new(),
+        bundle: String::new(),
+        profile_override: false,
+        formula: calibration::derive_schedule(ms_per_frame, jitter, steady),
+        // the ramp it measured with, not a derived one: the rates are for the start policy, and
+        // a derived ramp can start with an odd chunk the stateful vocoder pays a padded frame
+        // and a plan of its own for (measured: RTF 1.2 -> 2.2 with [1, 2] at 0.6B q4);
+        // `herald calibrate` derives and checks a schedule
+        schedule: calibration::Schedule {
+            ramp: ramp.to_vec(),
+            first_chunk: ramp[0],
+            ..calibration::derive_schedule(ms_per_frame, jitter, steady)
+        },
+        measured,
+    })
 }

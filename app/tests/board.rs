@@ -267,3 +267,57 @@ fn calibrate_checks_where_it_writes_before_measuring() {
     // /dev/null is still a device
     assert!(!std::fs::metadata("/dev/null").unwrap().is_file());
 }
+
+#[test]
+fn speak_without_a_calibration_stores_one_and_another_herald_version_is_measured_again() {
+    let d = tmp("auto-calibration");
+    let cal_dir = d.join("cal");
+    let b = bundle();
+    let env = [("HERALD_RUNTIME_CALIBRATION_DIR", cal_dir.to_str().unwrap()), ("RUST_LOG", "info")];
+    let speak = |name: &str| {
+        let wav = d.join(name);
+        herald(
+            &["speak", "Measure me while you speak.", "--bundle", b.to_str().unwrap(), "--seed", "3", "--out", wav.to_str().unwrap()],
+            &env,
+        )
+    };
+    // no calibration: the utterance measures one and stores it
+    let o = speak("a.wav");
+    let err = text(&o.stderr);
+    assert!(o.status.success(), "{err}");
+    assert!(err.contains("the first utterances measure one"), "{err}");
+    let files: Vec<PathBuf> = std::fs::read_dir(&cal_dir).unwrap().map(|e| e.unwrap().path()).collect();
+    assert_eq!(files.len(), 1, "{files:?}");
+    assert!(err.contains("calibration measured by the first 1 utterances") && err.contains(&files[0].display().to_string()), "{err}");
+    let cal: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&files[0]).unwrap()).unwrap();
+    assert_eq!(cal["measured"]["source"], "automatic");
+    assert_eq!(cal["measured"]["utterances"], 1);
+    assert_eq!(cal["herald"], env!("CARGO_PKG_VERSION"));
+    let ms = cal["measured"]["ms_per_frame"].as_f64().unwrap();
+    assert!(ms > 0.0 && (cal["measured"]["rtf"].as_f64().unwrap() - ms / 80.0).abs() < 1e-9, "{cal}");
+    assert!(cal["measured"]["jitter_ms"].as_f64().unwrap() >= 20.0);
+
+    // the next start uses it and measures nothing
+    let o = speak("b.wav");
+    let err = text(&o.stderr);
+    assert!(o.status.success() && err.contains(&format!("using calibration {}", files[0].display())), "{err}");
+    assert!(!err.contains("calibration measured"), "{err}");
+
+    // written by another herald version: ignored with both versions named, and measured again
+    std::fs::write(
+        &files[0],
+        serde_json::to_string(&{
+            let mut c = cal.clone();
+            c["herald"] = "0.0.0-old".into();
+            c
+        })
+        .unwrap(),
+    )
+    .unwrap();
+    let o = speak("c.wav");
+    let err = text(&o.stderr);
+    assert!(o.status.success(), "{err}");
+    assert!(err.contains("written by herald 0.0.0-old") && err.contains("calibration measured by the first 1 utterances"), "{err}");
+    let again: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&files[0]).unwrap()).unwrap();
+    assert_eq!(again["herald"], env!("CARGO_PKG_VERSION"));
+}

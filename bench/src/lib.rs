@@ -408,6 +408,14 @@ pub struct PipelineResult {
     pub stall_s: f64,
     /// Separate gaps that player hears.
     pub stall_gaps: usize,
+    /// The play-through start policy over the same timeline ([`model::start::replay`], no
+    /// calibration: the rate measured as the utterance goes, the length known): when it starts
+    /// playback, s.
+    pub play_through_start_s: f64,
+    /// Its stall inside the utterance, s.
+    pub play_through_stall_s: f64,
+    /// Its gaps.
+    pub play_through_gaps: usize,
     /// Talker prefill, ms.
     pub prefill_ms: f64,
     /// Talker decode step per frame, ms (mean).
@@ -537,6 +545,10 @@ pub fn pipeline(b: &Arc<Bundle>, cfg: &BenchConfig, allocs: Option<&dyn Fn() -> 
     };
     let allocations_per_frame = report.memory.steady_heap_allocations_per_frame();
     let playback = PlaybackMetrics::from_chunks(&report.chunk_times, frame_s);
+    let chunk = engine.ramp().last().copied().unwrap_or(1);
+    let planner = model::start::StartPlanner::new(frame_s, chunk, report.frames, None, 0.02, f64::INFINITY);
+    let holds = model::start::replay(&report.chunk_times, planner);
+    let play_through = model::start::played(&report.chunk_times, &holds, 0.0, frame_s);
     let frames = report.frames.max(1) as f64;
     let s = &report.stats;
     let wall = report.total;
@@ -552,6 +564,9 @@ pub fn pipeline(b: &Arc<Bundle>, cfg: &BenchConfig, allocs: Option<&dyn Fn() -> 
         stall_s: playback.stall,
         stall_gaps: playback.stalls,
         playback_start_s: playback.playback_start,
+        play_through_start_s: play_through.start,
+        play_through_stall_s: play_through.stall,
+        play_through_gaps: play_through.gaps,
         prefill_ms: s.prefill.total() * 1e3,
         talker_ms_per_frame: talker,
         predictor_ms_per_frame: predictor,
@@ -667,6 +682,11 @@ impl BenchResult {
             let _ = writeln!(o, "| real-time factor | {:.3} |", p.rtf);
             let _ = writeln!(o, "| time to first audio s | {:.3} |", p.ttfa_s);
             let _ = writeln!(o, "| playback stall s | {:.3} |", p.stall_s);
+            let _ = writeln!(
+                o,
+                "| play-through start s, stall s, gaps | {:.3}, {:.3}, {} |",
+                p.play_through_start_s, p.play_through_stall_s, p.play_through_gaps
+            );
             let allocs = p.allocations_per_frame.map_or("–".to_string(), |a| format!("{a:.0}"));
             let _ = writeln!(o, "| heap allocations per frame (steady state) | {allocs} |");
             let proc = p.process_allocations_per_frame.map_or("–".to_string(), |a| format!("{a:.0}"));

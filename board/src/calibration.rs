@@ -223,6 +223,15 @@ pub struct Measured {
     pub vocoder_ms: BTreeMap<usize, f64>,
     /// Median time to first audio with the default ramp, ms.
     pub ttfa_default_ms: f64,
+    /// Frames per text token of the utterances that ended by themselves (the playback start
+    /// policy's length prediction, `model::start`); absent in older files and when no
+    /// utterance ended by itself.
+    #[serde(default)]
+    pub frames_per_token: Option<f64>,
+    /// How the numbers were measured: `calibrate` (the command) or `automatic` (the first
+    /// utterances of a board without a calibration, docs/board.md).
+    #[serde(default)]
+    pub source: Option<String>,
 }
 
 /// A stored calibration.
@@ -463,6 +472,8 @@ mod tests {
             prefill_ms: 20.0,
             vocoder_ms: BTreeMap::from([(1, 2.0), (25, 10.0)]),
             ttfa_default_ms: 0.0,
+            frames_per_token: None,
+            source: None,
         }
     }
 
@@ -539,6 +550,8 @@ mod tests {
                 prefill_ms: 5.0,
                 vocoder_ms: BTreeMap::from([(1, 3.0), (25, 30.0)]),
                 ttfa_default_ms: 120.0,
+                frames_per_token: None,
+                source: None,
             },
             formula: derive_schedule(50.0, 20.0, 25),
             schedule: derive_schedule(50.0, 20.0, 25),

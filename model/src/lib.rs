@@ -24,6 +24,7 @@ pub mod prompt;
 pub mod sampler;
 pub mod schedule;
 pub mod segment;
+pub mod start;
 pub mod stats;
 
 pub use dtype::Dtype;

@@ -42,8 +42,8 @@ pub use live::{Live, LiveSettings};
 pub use output::{AtomicFile, OutputSettings, Target, write_atomic};
 pub use queue::{JobHandle, Outcome, Perform, Queue, Refused};
 pub use speaker::{
-    AmpSettings, Job, JobError, Preparing, Reading, Seeding, ServiceError, Speaker, SpeakerSettings, Spoken, Voice, check, check_in,
-    load_engine, plan,
+    AmpSettings, DEFAULT_MAX_START_DELAY, Job, JobError, Learned, OnLearned, Preparing, Reading, Seeding, ServiceError, Speaker,
+    SpeakerSettings, Spoken, StageRates, StartSettings, Voice, check, check_in, load_engine, plan,
 };
 
 /// An error and its causes on one line, skipping a cause whose text its parent already shows

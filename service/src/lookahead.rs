@@ -4,13 +4,19 @@
 //! chunk are computed: on a board that is faster than real time the audio does not stall
 //! between segments.
 //!
+//! The producer may put a *hold* in the queue ([`Feeder::hold`]): the player stops there until
+//! the time the producer sets for it ([`Feeder::open_at`]), or until the producer is done. The
+//! playback start policy ([`model::start`]) holds the player before each segment and, when the
+//! audio would run dry, once at the end of what is queued: the waits fall where it chooses, not
+//! after every chunk.
+//!
 //! The queue holds at most `capacity` samples (the producer waits beyond it: backpressure, not
 //! growth). A cancel drops what is queued and ends the player within one write; a failing sink
 //! stops the player, and the producer's next push returns the failure.
 
 use std::collections::VecDeque;
 use std::sync::{Condvar, Mutex, MutexGuard};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use board::audio::{AudioSink, SinkError};
 
@@ -19,9 +25,26 @@ use crate::cancel::Cancel;
 /// How often a producer waiting for room looks at its cancel handle.
 const CANCEL_POLL: Duration = Duration::from_millis(10);
 
+/// One entry of the player's queue.
+enum Item {
+    /// Audio to write.
+    Samples(Vec<f32>),
+    /// Wait here until hold `n` opens ([`Feeder::hold`]).
+    Hold(usize),
+}
+
 #[derive(Default)]
 struct State {
-    queue: VecDeque<Vec<f32>>,
+    queue: VecDeque<Item>,
+    /// When each hold opens (`None`: not yet decided), by number.
+    opens: Vec<Option<Instant>>,
+    /// Holds the player has passed.
+    passed: usize,
+    /// Samples per second of the audio ([`Feeder::set_rate`]; 0: unknown).
+    rate: u32,
+    /// When the audio handed to the sink so far has played, on a device that plays it in real
+    /// time from the first write and after every underrun (the sink's own blocking aside).
+    played_until: Option<Instant>,
     /// Samples in `queue`.
     queued: usize,
     /// The producer is done: the player drains the queue and ends.
@@ -68,10 +91,72 @@ impl Feeder<'_> {
             st = self.changed.wait_timeout(st, CANCEL_POLL).map(|(g, _)| g).unwrap_or_else(|p| p.into_inner().0);
         }
         st.queued += samples.len();
-        st.queue.push_back(samples.to_vec());
+        st.queue.push_back(Item::Samples(samples.to_vec()));
         drop(st);
         self.changed.notify_all();
         Ok(())
+    }
+
+    /// Put a hold at the end of the queue: the player stops there until [`Feeder::open_at`]
+    /// names a time that has come (or the producer is done). Returns its number.
+    pub fn hold(&self) -> usize {
+        let mut st = self.lock();
+        let n = st.opens.len();
+        st.opens.push(None);
+        st.queue.push_back(Item::Hold(n));
+        n
+    }
+
+    /// Let the player pass hold `n` at `at` (or at once if that has passed).
+    pub fn open_at(&self, n: usize, at: Instant) {
+        if let Some(o) = self.lock().opens.get_mut(n) {
+            *o = Some(at);
+        }
+        self.changed.notify_all();
+    }
+
+    /// Open every hold now.
+    pub fn open_all(&self) {
+        let now = Instant::now();
+        for o in &mut self.lock().opens {
+            if o.is_none_or(|t| t > now) {
+                *o = Some(now);
+            }
+        }
+        self.changed.notify_all();
+    }
+
+    /// Whether the player has passed hold `n` (it plays what follows).
+    pub fn passed(&self, n: usize) -> bool {
+        self.lock().passed > n
+    }
+
+    /// Holds put in the queue that the player has not passed yet.
+    pub fn holds_ahead(&self) -> usize {
+        let st = self.lock();
+        st.opens.len() - st.passed
+    }
+
+    /// Samples queued that the player has not handed to the sink yet.
+    pub fn queued(&self) -> usize {
+        self.lock().queued
+    }
+
+    /// The audio's sample rate, Hz: the player then keeps the clock of a device that plays in
+    /// real time ([`Feeder::ahead`]).
+    pub fn set_rate(&self, rate: u32) {
+        self.lock().rate = rate;
+    }
+
+    /// Seconds of audio ahead of the device at `now`: what was handed to the sink and has not
+    /// played yet by the clock of a real-time device, plus what is queued. 0 without a rate.
+    pub fn ahead(&self, now: Instant) -> f64 {
+        let st = self.lock();
+        if st.rate == 0 {
+            return 0.0;
+        }
+        let handed = st.played_until.and_then(|t| t.checked_duration_since(now)).map_or(0.0, |d| d.as_secs_f64());
+        handed + st.queued as f64 / f64::from(st.rate)
     }
 
     /// Queue `n` samples of digital silence.
@@ -115,15 +200,39 @@ pub fn play_ahead<R>(
                         st.queued = 0;
                         break None;
                     }
-                    if let Some(item) = st.queue.pop_front() {
-                        st.queued -= item.len();
-                        break Some(item);
+                    let mut wait = CANCEL_POLL;
+                    match st.queue.front() {
+                        Some(Item::Hold(n)) => {
+                            let n = *n;
+                            let now = Instant::now();
+                            let opens = st.opens.get(n).copied().flatten();
+                            if st.closed || opens.is_some_and(|t| t <= now) {
+                                st.queue.pop_front();
+                                st.passed = st.passed.max(n + 1);
+                                continue;
+                            }
+                            if let Some(t) = opens {
+                                wait = wait.min(t - now);
+                            }
+                        }
+                        Some(Item::Samples(_)) => {
+                            if let Some(Item::Samples(item)) = st.queue.pop_front() {
+                                st.queued -= item.len();
+                                break Some(item);
+                            }
+                        }
+                        None if st.closed => break None,
+                        None => {}
                     }
-                    if st.closed {
-                        break None;
-                    }
-                    st = changed.wait_timeout(st, CANCEL_POLL).map(|(g, _)| g).unwrap_or_else(|p| p.into_inner().0);
+                    st = changed.wait_timeout(st, wait).map(|(g, _)| g).unwrap_or_else(|p| p.into_inner().0);
                 };
+                if let (Some(item), rate) = (&item, st.rate)
+                    && rate > 0
+                {
+                    let now = Instant::now();
+                    let from = st.played_until.filter(|t| *t > now).unwrap_or(now);
+                    st.played_until = Some(from + Duration::from_secs_f64(item.len() as f64 / f64::from(rate)));
+                }
                 drop(st);
                 changed.notify_all();
                 let Some(item) = item else { break };
@@ -204,6 +313,67 @@ mod tests {
         assert!(failed.is_none());
         let want: Vec<f32> = (0..100).flat_map(|i| [i as f32, i as f32 + 0.5]).chain([0.0; 3]).collect();
         assert_eq!(sink.got, want);
+    }
+
+    #[test]
+    fn a_hold_stops_the_player_until_it_opens() {
+        let mut sink = capture(None);
+        let cancel = Cancel::new();
+        let wait_for = |f: &Feeder<'_>, n: usize| {
+            while f.queued() > n {
+                std::thread::sleep(Duration::from_millis(1));
+            }
+        };
+        let (passed, failed) = play_ahead(&mut sink, 100, &cancel, |f| {
+            f.push(&[1.0, 1.0]).unwrap();
+            let h = f.hold();
+            f.push(&[2.0]).unwrap();
+            wait_for(f, 1);
+            // the player wrote what came before the hold, and waits there
+            std::thread::sleep(Duration::from_millis(20));
+            let held = (f.queued(), f.passed(h), f.holds_ahead());
+            f.open_at(h, Instant::now());
+            wait_for(f, 0);
+            (held, f.passed(h))
+        });
+        assert_eq!(passed, ((1, false, 1), true));
+        assert!(failed.is_none());
+        assert_eq!(sink.got, [1.0, 1.0, 2.0]);
+    }
+
+    #[test]
+    fn ahead_is_what_a_real_time_device_has_yet_to_play() {
+        let mut sink = capture(None);
+        let cancel = Cancel::new();
+        play_ahead(&mut sink, 100, &cancel, |f| {
+            assert_eq!(f.ahead(Instant::now()), 0.0, "no rate, no clock");
+            f.set_rate(10);
+            let h = f.hold();
+            f.push(&[0.5; 10]).unwrap();
+            // held: one second queued, nothing handed to the device
+            assert!((f.ahead(Instant::now()) - 1.0).abs() < 1e-9);
+            f.open_at(h, Instant::now());
+            while f.queued() > 0 {
+                std::thread::sleep(Duration::from_millis(1));
+            }
+            // handed over: the device plays it for a second from then
+            let now = Instant::now();
+            let ahead = f.ahead(now);
+            assert!(ahead > 0.5 && ahead <= 1.0, "{ahead}");
+            assert_eq!(f.ahead(now + Duration::from_secs(2)), 0.0);
+        });
+    }
+
+    #[test]
+    fn a_hold_never_opened_opens_when_the_producer_is_done() {
+        let mut sink = capture(None);
+        let cancel = Cancel::new();
+        play_ahead(&mut sink, 100, &cancel, |f| {
+            f.push(&[1.0]).unwrap();
+            f.hold();
+            f.push(&[2.0]).unwrap();
+        });
+        assert_eq!(sink.got, [1.0, 2.0]);
     }
 
     #[test]

@@ -14,9 +14,11 @@ use board::audio::{AudioSink, SinkError, SinkStats};
 use board::gpio::{AmpSink, LineAmplifier};
 use engine::prompt::{PromptError, PromptMode, Prompter, clean_text};
 use engine::segment::{MAX_LONG_TEXT_CHARS, SegmentLimits};
+use engine::start::{self, Hold, StartPlanner, StartPolicy};
 use engine::{Engine, EngineError, EngineSettings, Manifest, PlaybackMetrics, Report, Request, StopReason};
 
 use crate::cancel::{Cancel, Stop};
+use crate::lookahead::Feeder;
 use crate::output::{OutputSettings, Target};
 
 /// Where each utterance's sampler seed comes from: `None` means greedy decoding. Clones share
@@ -171,6 +173,122 @@ pub fn check_in(dir: &Path, manifest: &Manifest, request: &Request) -> Result<()
     check(&prompter, request).map_err(ServiceError::Prompt)
 }
 
+/// A board's stage rates, from its stored calibration (`board::calibration::Measured`).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct StageRates {
+    /// Production time per frame of the whole pipeline (decode and vocoder together), seconds.
+    pub seconds_per_frame: f64,
+    /// Worst lateness of a chunk the rates do not explain, seconds: the start policy's margin.
+    pub jitter: f64,
+    /// Frames per text token the board's utterances made, when measured.
+    pub frames_per_token: Option<f64>,
+}
+
+/// How playback starts on a device (`synthesis.start_policy`, [`model::start`]).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct StartSettings {
+    /// The policy; files are always written at once.
+    pub policy: StartPolicy,
+    /// The longest wait before playback starts, from the request (`synthesis.max_start_delay_ms`);
+    /// also the longest wait at a segment boundary beyond the pause.
+    pub max_delay: Duration,
+    /// The board's calibration, when one is stored; what the speaker's own utterances measure
+    /// takes over from it.
+    pub calibrated: Option<StageRates>,
+}
+
+/// Default [`StartSettings::max_delay`]: 3 s, within the 2–5 s after which Home Assistant's
+/// satellites give up on audio that has not started.
+pub const DEFAULT_MAX_START_DELAY: Duration = Duration::from_millis(3000);
+
+/// The start policy's margin without a calibration: the calibration's smallest jitter (20 ms,
+/// `board::calibration::MIN_JITTER_MS`).
+pub const DEFAULT_START_MARGIN: f64 = 0.020;
+
+impl Default for StartSettings {
+    fn default() -> Self {
+        StartSettings { policy: StartPolicy::PlayThrough, max_delay: DEFAULT_MAX_START_DELAY, calibrated: None }
+    }
+}
+
+/// What the speaker's utterances measured (each segment of a long text counts as one): the
+/// start policy's rates after the calibration's, and what an automatic calibration stores
+/// ([`Speaker::on_learned`]). Keeps the last [`LEARNED_KEEP`] values of each.
+#[derive(Debug, Clone, Default)]
+pub struct Learned {
+    /// Utterances measured (with at least three chunks).
+    pub utterances: usize,
+    /// Production seconds per frame, between the first and the last chunk.
+    pub seconds_per_frame: Vec<f64>,
+    /// Decode seconds per frame (talker + code predictor + sampling).
+    pub decode_seconds_per_frame: Vec<f64>,
+    /// Prefill seconds.
+    pub prefill_seconds: Vec<f64>,
+    /// Mean vocoder seconds per chunk, and the chunk's frames (the steady chunk of the ramp).
+    pub vocoder_seconds: Vec<(usize, f64)>,
+    /// Seconds from the request to the first chunk.
+    pub ttfa: Vec<f64>,
+    /// Frames per text token of utterances that ended by themselves (eos) or at the frame cap.
+    pub frames_per_token: Vec<f64>,
+    /// Chunk timelines, `(arrival s, frames)`.
+    pub timelines: Vec<Vec<(f64, usize)>>,
+}
+
+/// Values of each kind [`Learned`] keeps.
+pub const LEARNED_KEEP: usize = 8;
+
+fn keep<T>(v: &mut Vec<T>, x: T) {
+    if v.len() >= LEARNED_KEEP {
+        v.remove(0);
+    }
+    v.push(x);
+}
+
+impl Learned {
+    /// Note one utterance of `tokens` text tokens.
+    pub fn add(&mut self, report: &Report, tokens: usize, chunk: usize) {
+        // an utterance that ran to the frame cap counts too: a model that never stops early
+        // (random weights) speaks that long every time; a rare runaway is an outlier the
+        // median ignores
+        let ended = matches!(report.stop, StopReason::Eos | StopReason::Cap);
+        if let Some(fpt) = (ended && tokens > 0).then(|| report.frames as f64 / tokens as f64) {
+            keep(&mut self.frames_per_token, fpt);
+        }
+        let Some(rate) = board::calibration::rate_from_chunks(&report.chunk_times).filter(|_| report.chunk_times.len() >= 3) else {
+            return;
+        };
+        let st = &report.stats;
+        self.utterances += 1;
+        keep(&mut self.seconds_per_frame, 1.0 / rate);
+        keep(
+            &mut self.decode_seconds_per_frame,
+            (st.talker.total() + st.predictor.total() + st.sampling.total()) / report.frames.max(1) as f64,
+        );
+        keep(&mut self.prefill_seconds, st.prefill.mean());
+        keep(&mut self.vocoder_seconds, (chunk, st.vocoder.mean()));
+        keep(&mut self.ttfa, report.ttfa);
+        keep(&mut self.timelines, report.chunk_times.clone());
+    }
+
+    /// Median production seconds per frame, if measured.
+    pub fn median_seconds_per_frame(&self) -> Option<f64> {
+        median_of(&self.seconds_per_frame)
+    }
+
+    /// Median frames per token, if measured.
+    pub fn median_frames_per_token(&self) -> Option<f64> {
+        median_of(&self.frames_per_token)
+    }
+}
+
+/// The median of `v`, `None` when empty.
+pub fn median_of(v: &[f64]) -> Option<f64> {
+    (!v.is_empty()).then(|| engine::stats::median(&mut v.to_vec()))
+}
+
+/// Called once with what the first utterances measured ([`Speaker::on_learned`]).
+pub type OnLearned = Box<dyn FnMut(&Learned) + Send>;
+
 /// The amplifier-enable line (`[amplifier]`).
 #[derive(Debug, Clone, PartialEq)]
 pub struct AmpSettings {
@@ -196,6 +314,8 @@ pub struct SpeakerSettings {
     pub output: OutputSettings,
     /// How long texts are cut and read.
     pub reading: Reading,
+    /// How playback starts.
+    pub start: StartSettings,
 }
 
 /// Errors of starting a [`Speaker`].
@@ -327,6 +447,10 @@ pub struct Speaker {
     stop: Stop,
     /// Segment lengths for this engine's KV capacity.
     limits: SegmentLimits,
+    /// What the utterances measured so far.
+    learned: Learned,
+    /// Called once after this many measured utterances.
+    on_learned: Option<(usize, OnLearned)>,
 }
 
 impl Speaker {
@@ -417,6 +541,8 @@ impl Speaker {
         let rate = self.sample_rate();
         let engine = &self.engine;
         let pause = (self.settings.reading.pause.as_secs_f64() * f64::from(rate)).round() as usize;
+        let gate = (plays && self.settings.start.policy == StartPolicy::PlayThrough).then(|| Gate::new(self, Instant::now()));
+        let learned = &mut self.learned;
         let play = |sink: &mut (dyn AudioSink + Send)| -> Result<Spoken, JobError> {
             sink.begin(rate)?;
             if let Some(f) = on_begin {
@@ -427,12 +553,18 @@ impl Speaker {
                     f();
                 }
             };
-            match parts.as_slice() {
-                [one] => synthesize_into(engine, one, &cancel, sink, &mut beat),
-                _ => read_into(engine, &parts, pause, &cancel, sink, &mut beat),
+            match (parts.as_slice(), gate) {
+                ([one], None) => {
+                    let spoken = synthesize_into(engine, one, &cancel, sink, &mut beat);
+                    if let Ok(Spoken { report: Some(r), .. }) = &spoken {
+                        learned.add(r, engine.bundle().prompter.count_tokens(&one.text), steady_chunk(engine));
+                    }
+                    spoken
+                }
+                (_, gate) => read_into(engine, &parts, pause, &cancel, sink, &mut beat, gate, learned),
             }
         };
-        match self.amp.take() {
+        let result = match self.amp.take() {
             Some(amp) if plays => {
                 // the line goes on `lead` before the first sample and off after the drain (or
                 // the abort), on every path: board::gpio::AmpSink
@@ -447,7 +579,31 @@ impl Speaker {
                 let mut sink = sink;
                 play(sink.as_mut())
             }
+        };
+        if let Some((after, _)) = &self.on_learned
+            && self.learned.utterances >= *after
+            && let Some((_, mut f)) = self.on_learned.take()
+        {
+            f(&self.learned);
         }
+        result
+    }
+
+    /// Set the board's stored calibration ([`StartSettings::calibrated`]), known once the
+    /// engine is loaded.
+    pub fn set_calibrated(&mut self, rates: Option<StageRates>) {
+        self.settings.start.calibrated = rates;
+    }
+
+    /// Call `f` once, after `utterances` utterances measured their rates (the automatic
+    /// calibration of a board that has none stored, docs/board.md).
+    pub fn on_learned(&mut self, utterances: usize, f: OnLearned) {
+        self.on_learned = Some((utterances.max(1), f));
+    }
+
+    /// What the utterances measured so far.
+    pub fn learned(&self) -> &Learned {
+        &self.learned
     }
 
     /// The process-wide stop this speaker obeys.
@@ -527,7 +683,15 @@ impl Preparing {
     /// thread started before the text was checked and the sink opened).
     pub fn with_engine(self, engine: Engine, settings: &EngineSettings) -> Speaker {
         let limits = SegmentLimits::new(self.settings.reading.segment_tokens, settings.kv_capacity);
-        Speaker { engine, amp: self.amp, settings: self.settings, stop: self.stop, limits }
+        Speaker {
+            engine,
+            amp: self.amp,
+            settings: self.settings,
+            stop: self.stop,
+            limits,
+            learned: Learned::default(),
+            on_learned: None,
+        }
     }
 }
 
@@ -626,6 +790,7 @@ fn synthesize_into(
 /// ([`StopReason::Capacity`]) ends the reading there. A player thread writes the audio from a
 /// queue of up to [`LOOKAHEAD_SECONDS`] ([`crate::lookahead::play_ahead`]), so the next
 /// segment's prefill runs while the last one still plays.
+#[allow(clippy::too_many_arguments)]
 fn read_into(
     engine: &Engine,
     parts: &[Request],
@@ -633,22 +798,41 @@ fn read_into(
     cancel: &Cancel,
     sink: &mut (dyn AudioSink + Send),
     beat: &mut dyn FnMut(),
+    gate: Option<Gate>,
+    learned: &mut Learned,
 ) -> Result<Spoken, JobError> {
-    let t0 = Instant::now();
+    let t0 = gate.as_ref().map_or_else(Instant::now, |g| g.t0);
+    let mut holds: Vec<Hold> = Vec::new();
+    let mut frames_before = 0usize;
     let m = &engine.bundle().manifest.audio;
     let capacity = LOOKAHEAD_SECONDS * m.sample_rate as usize;
     let frame_seconds = f64::from(m.samples_per_frame) / f64::from(m.sample_rate);
     let (read, failed) = crate::lookahead::play_ahead(sink, capacity, cancel, |feed| -> Result<Option<Report>, JobError> {
         let mut whole: Option<Report> = None;
+        feed.set_rate(m.sample_rate);
         for (i, part) in parts.iter().enumerate() {
             if i > 0 && pause > 0 && feed.silence(pause).is_err() {
                 return Ok(None);
             }
+            let tokens = engine.bundle().prompter.count_tokens(&part.text);
+            let mut seg = gate.as_ref().map(|g| g.segment(i, part, tokens, engine, feed));
             let offset = t0.elapsed().as_secs_f64();
             let spoken = engine.synthesize(part, cancel.flag(), |chunk| {
                 beat();
-                feed.push(chunk.samples)
+                feed.push(chunk.samples)?;
+                if let Some(s) = seg.as_mut() {
+                    s.chunk(chunk.ready_at, chunk.frames, feed);
+                }
+                Ok(())
             });
+            feed.open_all();
+            if let Some(s) = seg {
+                holds.extend(s.holds.iter().map(|h| Hold { at_frame: h.at_frame + frames_before, open: h.open + offset, ..*h }));
+            }
+            if let Ok(r) = &spoken {
+                learned.add(r, tokens, steady_chunk(engine));
+                frames_before += r.frames;
+            }
             match spoken {
                 // a segment the KV cache could not hold (a capacity below what segments need):
                 // the text is read as far as it fits, as a single pass would be
@@ -665,6 +849,10 @@ fn read_into(
         }
         Ok(whole.map(|mut r| {
             r.playback = PlaybackMetrics::from_chunks(&r.chunk_times, frame_seconds);
+            if gate.is_some() {
+                let silence = pause as f64 / f64::from(m.sample_rate);
+                log::info!("{} ({})", start::played(&r.chunk_times, &holds, silence, frame_seconds), StartPolicy::PlayThrough);
+            }
             r
         }))
     });
@@ -686,6 +874,132 @@ fn read_into(
     let stats = sink.finish()?;
     beat();
     Ok(Spoken { report, stats })
+}
+
+/// The ramp's steady chunk, frames.
+fn steady_chunk(engine: &Engine) -> usize {
+    engine.ramp().last().copied().unwrap_or(1).max(1)
+}
+
+/// The play-through start policy of one job ([`model::start`]): what it knows when the job
+/// starts (the rates, the margin, the frames per token, the budget), and per segment a
+/// [`Segment`] that holds the player until the segment plays through.
+struct Gate {
+    /// The job's request time.
+    t0: Instant,
+    policy: StartSettings,
+    /// Seconds per frame known before the segment (learned, else calibrated).
+    prior: Option<f64>,
+    margin: f64,
+    frames_per_token: f64,
+    frame_s: f64,
+}
+
+impl Gate {
+    fn new(speaker: &Speaker, t0: Instant) -> Self {
+        let cal = speaker.settings.start.calibrated;
+        let learned = &speaker.learned;
+        let prior = learned.median_seconds_per_frame().or(cal.map(|c| c.seconds_per_frame));
+        let frames_per_token =
+            learned.median_frames_per_token().or(cal.and_then(|c| c.frames_per_token)).unwrap_or(start::DEFAULT_FRAMES_PER_TOKEN);
+        let m = &speaker.engine.bundle().manifest.audio;
+        Gate {
+            t0,
+            policy: speaker.settings.start,
+            prior,
+            margin: cal.map_or(DEFAULT_START_MARGIN, |c| c.jitter.max(DEFAULT_START_MARGIN)),
+            frames_per_token,
+            frame_s: f64::from(m.samples_per_frame) / f64::from(m.sample_rate),
+        }
+    }
+
+    /// The planner of segment `i` (`part`, `tokens` text tokens), holding the player before it.
+    fn segment(&self, i: usize, part: &Request, tokens: usize, engine: &Engine, feed: &Feeder<'_>) -> Segment {
+        let t = Instant::now();
+        let chunk = steady_chunk(engine);
+        let b = engine.bundle();
+        let mut cap = part.max_frames.unwrap_or_else(|| engine::prompt::frame_cap(tokens, b.manifest.sampling.talker.max_new_tokens));
+        if let Some(f) = part.force_eos_at {
+            cap = cap.min(f.max(1));
+        }
+        let predicted = start::predict_frames(tokens, self.frames_per_token, start::LENGTH_MARGIN, cap);
+        // the budget: the first segment's start counts from the request; a later one's wait
+        // from when the player reaches it (after what is queued)
+        let ahead = feed.ahead(t);
+        let max = self.policy.max_delay.as_secs_f64();
+        let deadline = if i == 0 { (max - t.duration_since(self.t0).as_secs_f64()).max(0.0) } else { ahead + max };
+        let hold = feed.hold();
+        feed.open_at(hold, t + Duration::from_secs_f64(deadline));
+        log::debug!(
+            "start policy: segment {}: {tokens} tokens -> {predicted} frames predicted ({:.2} frames per token + {:.0} %, cap {cap}); \
+             prior {} per frame, chunk {chunk}, margin {:.0} ms, budget {:.0} ms",
+            i + 1,
+            self.frames_per_token,
+            start::LENGTH_MARGIN * 1e2,
+            self.prior.map_or("unknown".into(), |p| format!("{:.1} ms", p * 1e3)),
+            self.margin * 1e3,
+            deadline * 1e3,
+        );
+        Segment {
+            t,
+            hold,
+            planner: StartPlanner::new(self.frame_s, chunk, predicted, self.prior, self.margin, deadline).with_cap(cap),
+            holds: vec![Hold { at_frame: 0, open: deadline, boundary: true }],
+        }
+    }
+}
+
+/// One segment under the play-through policy: its planner, the hold before it and the ones it
+/// adds.
+struct Segment {
+    /// When the segment's synthesis started (its chunks' clock).
+    t: Instant,
+    /// The hold before the segment.
+    hold: usize,
+    planner: StartPlanner,
+    /// The holds, the segment's clock and frames; the first is the segment's start.
+    holds: Vec<Hold>,
+}
+
+impl Segment {
+    /// A chunk of `frames` arrived at `at` (the segment's clock) and is queued: decide the
+    /// start, or once playing, whether to pause once at the end of what is queued.
+    fn chunk(&mut self, at: f64, frames: usize, feed: &Feeder<'_>) {
+        self.planner.chunk(at, frames);
+        let when = |s: f64| self.t + Duration::from_secs_f64(s.max(0.0));
+        if !feed.passed(self.hold) {
+            let d = self.planner.start();
+            feed.open_at(self.hold, when(d.at));
+            self.holds[0].open = d.at;
+            log::debug!(
+                "start policy: {} of {} frames at {:.0} ms, {} per frame: start at {:.0} ms{}",
+                d.produced,
+                d.predicted,
+                at * 1e3,
+                d.spf.map_or("unknown".into(), |s| format!("{:.1} ms", s * 1e3)),
+                d.at * 1e3,
+                if d.capped { " (the budget)" } else { "" }
+            );
+        } else if feed.holds_ahead() == 0 {
+            // what the device has yet to play, by its clock (a sink that takes audio faster
+            // than real time, like ALSA's null device, must not look dry)
+            let queued = feed.ahead(when(at));
+            if let Some(d) = self.planner.resume(queued) {
+                let h = feed.hold();
+                feed.open_at(h, when(d.at));
+                let at_frame = self.planner.produced();
+                self.holds.push(Hold { at_frame, open: d.at, boundary: false });
+                log::debug!(
+                    "start policy: {} of {} frames, {:.0} ms queued, {} per frame: would run dry; one pause, resuming at {:.0} ms",
+                    d.produced,
+                    d.predicted,
+                    queued * 1e3,
+                    d.spf.map_or("unknown".into(), |s| format!("{:.1} ms", s * 1e3)),
+                    d.at * 1e3
+                );
+            }
+        }
+    }
 }
 
 /// Add the report of the segment that started `offset` seconds after the job to `whole`: frames,

@@ -64,7 +64,13 @@ fn serve(queue_length: usize) -> Served {
 fn serve_with(queue_length: usize, request_timeout: Duration) -> Served {
     let stop = Stop::new();
     let voice = Voice { language: "auto".into(), speaker: None, mode: Default::default(), seeding: Seeding::fixed(5) };
-    let settings = SpeakerSettings { voice, amplifier: None, output: OutputSettings::default(), reading: Reading::default() };
+    let settings = SpeakerSettings {
+        voice,
+        amplifier: None,
+        output: OutputSettings::default(),
+        reading: Reading::default(),
+        start: Default::default(),
+    };
     let engine = EngineSettings { kv_capacity: 1024, ..EngineSettings::default() };
     let speaker = Speaker::prepare(settings, stop.clone()).unwrap().load(&bundle(), &engine).unwrap();
     let front = Front::start(speaker, &FrontSettings { queue_length, max_text_chars: 4096 }).unwrap();

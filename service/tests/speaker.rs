@@ -38,7 +38,7 @@ fn speaker(stop: &Stop) -> Speaker {
 
 fn speaker_reading(stop: &Stop, reading: Reading) -> Speaker {
     let voice = Voice { language: "auto".into(), speaker: None, mode: Default::default(), seeding: Seeding::fixed(5) };
-    let settings = SpeakerSettings { voice, amplifier: None, output: OutputSettings::default(), reading };
+    let settings = SpeakerSettings { voice, amplifier: None, output: OutputSettings::default(), reading, start: Default::default() };
     let settings_engine = EngineSettings { kv_capacity: 1024, ..EngineSettings::default() };
     Speaker::prepare(settings, stop.clone()).unwrap().load(&bundle(), &settings_engine).unwrap()
 }

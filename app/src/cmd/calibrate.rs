@@ -185,6 +185,8 @@ fn calibrate(cfg: &Config, args: &CalibrateArgs) -> Result<(), Failure> {
         prefill_ms,
         vocoder_ms,
         ttfa_default_ms: median(&mut ttfa),
+        frames_per_token: None,
+        source: Some("calibrate".into()),
     };
     let formula = calibration::derive_schedule(ms_per_frame, jitter, steady);
     let schedule = calibration::derive_checked_schedule(&measured, steady, left_context, CHECK_FRAMES);

@@ -134,7 +134,8 @@ pub fn run(config: Option<&Path>, args: ServeArgs) -> Result<(), Failure> {
     backend_tract::set_graph_cache_dir(Some(cfg.runtime.graph_cache_dir.clone()));
     let chosen = crate::backend::choose(&cfg, &manifest, tuned.profile.class)?;
     log::info!("{}", chosen.why);
-    let speaker = preparing.load_with_fallback(dir, &tuned.settings, chosen.backend.as_ref(), chosen.fallback.as_deref())?;
+    let mut speaker = preparing.load_with_fallback(dir, &tuned.settings, chosen.backend.as_ref(), chosen.fallback.as_deref())?;
+    tuned.attach(&mut speaker, &manifest, dir, crate::tuning::AUTO_CALIBRATION_UTTERANCES);
     let sample_rate = speaker.sample_rate();
     let front_settings = FrontSettings { queue_length: cfg.serve.queue_length, max_text_chars: cfg.serve.max_text_chars };
     let mut front = Front::start(speaker, &front_settings)

@@ -220,6 +220,7 @@ fn speak(cfg: &Config, text: &str, out: Option<&str>, raw: bool) -> Result<(), F
             return Err(fail(exit::BUG, anyhow::anyhow!("the bundle loader thread panicked")));
         }
     };
+    tuned.attach(&mut speaker, &manifest, dir, 1);
     log::info!(
         "ready in {:.2} s (bundle load {:.2} s), resident memory {}",
         t0.elapsed().as_secs_f64(),

@@ -44,9 +44,12 @@ pub fn tmp(area: &str, name: &str) -> PathBuf {
     d
 }
 
-/// herald with the caller's HERALD_*, ALSA, RUST_LOG and systemd variables removed and an
-/// empty config file; `env` adds variables.
+/// herald with the caller's HERALD_*, ALSA, RUST_LOG and systemd variables removed, an empty
+/// config file and a calibration directory of its own (a `speak` on a board without a
+/// calibration stores one: it must not land in the machine's /var/lib/herald, nor reach the
+/// next test); `env` adds variables.
 pub fn command(args: &[&str], env: &[(&str, &str)]) -> Command {
+    static RUNS: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
     let mut c = Command::new(HERALD);
     c.args(args);
     for k in ["RUST_LOG", "ALSA_CONFIG_PATH", "NOTIFY_SOCKET", "WATCHDOG_USEC", "WATCHDOG_PID"] {
@@ -60,6 +63,9 @@ pub fn command(args: &[&str], env: &[(&str, &str)]) -> Command {
     let empty = PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join("empty.toml");
     std::fs::write(&empty, "").unwrap();
     c.env("HERALD_CONFIG", &empty);
+    let run = RUNS.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    let calibration = PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join(format!("calibration-{}-{run}", std::process::id()));
+    c.env("HERALD_RUNTIME_CALIBRATION_DIR", calibration);
     for (k, v) in env {
         c.env(k, v);
     }
