@@ -425,11 +425,11 @@ settings! {
         fifo: String = DEFAULT_FIFO.into(), NonEmpty("a path, or `off`"), cli fifo, flag "--fifo";
         /// Where the Wyoming server listens: `tcp://HOST:PORT`, or `off`. `0.0.0.0` listens on
         /// every address (for Home Assistant on another machine).
-        wyoming: String = DEFAULT_WYOMING.into(), Any("`tcp://HOST:PORT` or `off`");
+        wyoming: String = DEFAULT_WYOMING.into(), Any("`tcp://HOST:PORT` or `off`"), cli wyoming, flag "--wyoming";
         /// Where the HTTP server (`POST /v1/audio/speech`, `GET /v1/models`, `GET /healthz`,
         /// `POST /v1/say`) listens: `HOST:PORT`, or `off`. A non-loopback address needs
         /// `api_key`.
-        http: String = DEFAULT_HTTP.into(), Any("`HOST:PORT` or `off`");
+        http: String = DEFAULT_HTTP.into(), Any("`HOST:PORT` or `off`"), cli http, flag "--http";
         /// Requests that may wait while one is spoken, all front-ends together; one more is
         /// refused at once as busy (Wyoming `error` with code `busy`, HTTP 503), never queued
         /// without bound. The FIFO waits for room instead.

@@ -6,7 +6,8 @@
 
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
-use std::io::Write;
+use std::io::{ErrorKind, Read, Write};
+use std::net::TcpStream;
 use std::path::Path;
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
@@ -84,11 +85,11 @@ fn sighup_reloads_serve_and_sigterm_stops_it_naming_the_signal() {
     wait_for_file(&out.join("000001.wav"), Duration::from_secs(120));
 
     // half the volume, and a key that needs a restart
-    std::fs::write(&cfg, "[audio]\nvolume = 0.5\n[serve]\nqueue_length = 2\n[amplifier]\nlead_ms = 80\n").unwrap();
+    std::fs::write(&cfg, "[audio]\nvolume = 0.5\n[serve]\nzeroconf = \"off\"\n[amplifier]\nlead_ms = 80\n").unwrap();
     kill(&child, "HUP");
     let reloaded = err.wait_for("SIGHUP: reloaded audio.volume = 0.5", "\0", Duration::from_secs(30));
     assert!(reloaded.contains("amplifier.lead_ms = 80"), "{reloaded}");
-    err.wait_for("serve.queue_length changed, which needs a restart", "\0", Duration::from_secs(30));
+    err.wait_for("serve.zeroconf changed, which needs a restart", "\0", Duration::from_secs(30));
     assert!(child.try_wait().unwrap().is_none(), "SIGHUP stopped herald serve");
     say("Every line is spoken.");
     wait_for_file(&out.join("000002.wav"), Duration::from_secs(120));
@@ -113,6 +114,102 @@ fn sighup_reloads_serve_and_sigterm_stops_it_naming_the_signal() {
     err.wait_for("stopping on SIGTERM", "\0", Duration::from_secs(5));
     assert_eq!(st.code(), Some(0), "{}", err.seen.join("\n"));
     assert!(!out.join("000003.wav").exists());
+}
+
+/// The status line of `GET path` on `addr`, with `key` as the bearer token when given.
+fn get_status(addr: &str, path: &str, key: Option<&str>) -> String {
+    let mut s = TcpStream::connect(addr).unwrap();
+    s.set_read_timeout(Some(Duration::from_secs(30))).unwrap();
+    let auth = key.map(|k| format!("Authorization: Bearer {k}\r\n")).unwrap_or_default();
+    write!(s, "GET {path} HTTP/1.1\r\nHost: x\r\n{auth}Connection: close\r\n\r\n").unwrap();
+    let mut answer = String::new();
+    s.read_to_string(&mut answer).unwrap();
+    answer.lines().next().unwrap_or_default().to_owned()
+}
+
+/// Whether the server closes `s` (end of stream or a reset) within `timeout`.
+fn closed_within(s: &mut TcpStream, timeout: Duration) -> bool {
+    s.set_read_timeout(Some(timeout)).unwrap();
+    let mut buf = [0u8; 256];
+    loop {
+        match s.read(&mut buf) {
+            Ok(0) => return true,
+            Ok(_) => continue,
+            Err(e) if matches!(e.kind(), ErrorKind::WouldBlock | ErrorKind::TimedOut) => return false,
+            Err(_) => return true,
+        }
+    }
+}
+
+#[test]
+fn sighup_reloads_the_network_limits_timeouts_and_api_key() {
+    let b = bundle();
+    let d = common::tmp("signals", "reload-net");
+    let cfg = d.join("herald.toml");
+    std::fs::write(&cfg, "[serve]\nmax_connections = 4\nidle_timeout_s = 120\nqueue_length = 4\n").unwrap();
+    let out = d.join("out");
+    std::fs::create_dir_all(&out).unwrap();
+    let mut child = common::command(
+        &[
+            "--config",
+            cfg.to_str().unwrap(),
+            "serve",
+            "--bundle",
+            b.to_str().unwrap(),
+            "--fifo",
+            "off",
+            "--out-dir",
+            out.to_str().unwrap(),
+        ],
+        &[("HERALD_SERVE_WYOMING", "tcp://127.0.0.1:0"), ("HERALD_SERVE_HTTP", "127.0.0.1:0")],
+    )
+    .stdin(Stdio::null())
+    .stdout(Stdio::null())
+    .stderr(Stdio::piped())
+    .spawn()
+    .unwrap();
+    let _guard = KillOnDrop(child.id());
+    let mut err = StderrTail::new(&mut child);
+    let ready = err.wait_for("ready;", "\0", Duration::from_secs(300));
+    let addr = |prefix: &str| ready.split(prefix).nth(1).and_then(|r| r.split([' ', ',', ')']).next()).unwrap().to_owned();
+    let (http, wyoming) = (addr("HTTP on http://"), addr("Wyoming on tcp://"));
+    assert!(get_status(&http, "/v1/models", None).contains(" 200 "), "no key needed yet");
+    // three idle connections: within max_connections = 4 and idle_timeout_s = 120
+    let mut idle: Vec<TcpStream> = (0..3).map(|_| TcpStream::connect(&http).unwrap()).collect();
+    std::thread::sleep(Duration::from_millis(300));
+
+    std::fs::write(&cfg, "[serve]\nmax_connections = 1\nidle_timeout_s = 2\nqueue_length = 2\napi_key = \"s3cret-token\"\n").unwrap();
+    kill(&child, "HUP");
+    let line = err.wait_for("SIGHUP: reloaded", "\0", Duration::from_secs(30));
+    for k in ["serve.max_connections = 1", "serve.idle_timeout_s = 2", "serve.queue_length = 2", "serve.api_key (set)"] {
+        assert!(line.contains(k), "{k} not in: {line}");
+    }
+    assert!(!line.contains("s3cret"), "the key was logged: {line}");
+    assert!(!line.contains("needs a restart"), "{line}");
+    // the lowered limit closes two of the three at once, the shorter idle timeout the last:
+    // under the old settings none of them would close for two minutes
+    for (i, s) in idle.iter_mut().enumerate() {
+        assert!(closed_within(s, Duration::from_secs(10)), "idle HTTP connection {i} still open");
+    }
+    // the key is required from now on (but not by the health check)
+    assert!(get_status(&http, "/v1/models", None).contains(" 401 "));
+    assert!(get_status(&http, "/v1/models", Some("s3cret-token")).contains(" 200 "));
+    assert!(get_status(&http, "/healthz", None).contains(" 200 "));
+    // a Wyoming connection opened now has the new idle timeout
+    let mut w = TcpStream::connect(&wyoming).unwrap();
+    w.write_all(b"{\"type\": \"describe\"}\n").unwrap();
+    assert!(closed_within(&mut w, Duration::from_secs(10)), "an idle Wyoming connection outlived idle_timeout_s = 2");
+
+    // a key that cannot be a bearer token changes nothing
+    std::fs::write(&cfg, "[serve]\nmax_connections = 8\napi_key = \" spaced \"\n").unwrap();
+    kill(&child, "HUP");
+    let refused = err.wait_for("nothing was changed", "\0", Duration::from_secs(30));
+    assert!(refused.contains("serve.api_key"), "{refused}");
+    assert!(get_status(&http, "/v1/models", Some("s3cret-token")).contains(" 200 "), "the old key still holds");
+
+    kill(&child, "TERM");
+    let st = wait_exit(&mut child, Duration::from_secs(30));
+    assert_eq!(st.code(), Some(0), "{}", err.seen.join("\n"));
 }
 
 #[test]

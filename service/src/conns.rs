@@ -49,7 +49,7 @@
 
 use std::collections::{BTreeMap, HashMap};
 use std::net::IpAddr;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
@@ -120,8 +120,8 @@ impl Entry {
 }
 
 struct Inner {
-    max: usize,
-    slack: usize,
+    /// `max_connections` (at least 1); a reload may change it ([`Table::set_max`]).
+    max: AtomicUsize,
     next: AtomicU64,
     entries: Mutex<BTreeMap<u64, Entry>>,
 }
@@ -132,7 +132,7 @@ pub struct Table(Arc<Inner>);
 
 impl std::fmt::Debug for Table {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("Table").field("max", &self.0.max).field("open", &self.open()).finish()
+        f.debug_struct("Table").field("max", &self.max()).field("open", &self.open()).finish()
     }
 }
 
@@ -148,8 +148,29 @@ pub struct Refusal {
 impl Table {
     /// A table for `max_connections` (0 counts as 1) with [`slack`] for those on their way out.
     pub fn new(max_connections: usize) -> Table {
+        let max = AtomicUsize::new(max_connections.max(1));
+        Table(Arc::new(Inner { max, next: AtomicU64::new(0), entries: Mutex::default() }))
+    }
+
+    /// Change `max_connections` (0 counts as 1; a reload of `serve.max_connections`). Raised,
+    /// it takes effect with the next connection. Lowered, the connections over the new limit
+    /// that may be evicted (idle, or a request still arriving) are asked to close at once,
+    /// oldest first; busy ones are not cut short, and until they end new connections make room
+    /// by eviction as at the limit.
+    pub fn set_max(&self, max_connections: usize) {
         let max = max_connections.max(1);
-        Table(Arc::new(Inner { max, slack: slack(max), next: AtomicU64::new(0), entries: Mutex::default() }))
+        let mut entries = self.entries();
+        self.0.max.store(max, Ordering::SeqCst);
+        let now = Instant::now();
+        let mut staying = entries.values().filter(|e| !e.on_the_way_out()).count();
+        while staying > max {
+            let oldest =
+                entries.iter().filter(|(_, e)| e.evictable(now, false)).min_by_key(|(id, e)| (e.since, **id)).map(|(id, _)| *id);
+            let Some(victim) = oldest.and_then(|id| entries.get_mut(&id)) else { break };
+            victim.evicted = true;
+            (victim.close)();
+            staying -= 1;
+        }
     }
 
     fn entries(&self) -> MutexGuard<'_, BTreeMap<u64, Entry>> {
@@ -158,12 +179,13 @@ impl Table {
 
     /// `max_connections`.
     pub fn max(&self) -> usize {
-        self.0.max
+        self.0.max.load(Ordering::SeqCst)
     }
 
     /// The most connections ever counted at once: `max_connections` + [`slack`].
     pub fn ceiling(&self) -> usize {
-        self.0.max + self.0.slack
+        let max = self.max();
+        max + slack(max)
     }
 
     /// Connections counted now (those on their way out included).
@@ -192,12 +214,13 @@ impl Table {
         let mut entries = self.entries();
         let open = entries.len();
         let closing = entries.values().filter(|e| e.on_the_way_out()).count();
-        if open >= self.0.max {
+        let max = self.max();
+        if open >= max {
             // room only by evicting (or once one on its way out is gone), and only within the slack
-            if open >= self.ceiling() {
+            if open >= max + slack(max) {
                 return Err(Refusal { open, closing });
             }
-            if open - closing >= self.0.max {
+            if open - closing >= max {
                 let Some(victim) = choose(&entries, peer, now) else { return Err(Refusal { open, closing }) };
                 if let Some(v) = entries.get_mut(&victim) {
                     v.evicted = true;
@@ -392,6 +415,43 @@ mod tests {
         assert!(c.tracker().evicted() && !d.tracker().evicted());
         drop((c, d, e));
         assert_eq!(t.open(), 0);
+    }
+
+    #[test]
+    fn a_lowered_limit_closes_the_oldest_evictable_ones_and_never_a_busy_one() {
+        let t = Table::new(4);
+        let t0 = Instant::now();
+        let busy = t.admit_at(ip(1), closer(), t0).unwrap();
+        busy.tracker().set(Activity::Busy);
+        std::thread::sleep(Duration::from_millis(2));
+        let idle_old = t.admit_at(ip(2), closer(), t0).unwrap();
+        idle_old.tracker().set(Activity::Arriving);
+        idle_old.tracker().set(Activity::Idle);
+        std::thread::sleep(Duration::from_millis(2));
+        let arriving = t.admit_at(ip(3), closer(), t0).unwrap();
+        arriving.tracker().set(Activity::Arriving);
+        std::thread::sleep(Duration::from_millis(2));
+        let idle_new = t.admit_at(ip(4), closer(), t0).unwrap();
+        idle_new.tracker().set(Activity::Arriving);
+        idle_new.tracker().set(Activity::Idle);
+        // 4 open, lowered to 2: the two oldest evictable ones go (not the busy one, older still)
+        t.set_max(2);
+        assert_eq!((t.max(), t.ceiling()), (2, 4));
+        assert!(!busy.tracker().evicted());
+        assert!(idle_old.tracker().evicted() && arriving.tracker().evicted());
+        assert!(!idle_new.tracker().evicted());
+        // they count until their sockets close: at the ceiling, a newcomer waits
+        assert!(t.full());
+        drop((idle_old, arriving));
+        // lowered to 1 with only the busy one and an idle one left: the idle one goes
+        t.set_max(1);
+        assert!(idle_new.tracker().evicted() && !busy.tracker().evicted());
+        drop(idle_new);
+        // raised: room at once
+        t.set_max(3);
+        let more: Vec<Member> = (0..2).map(|_| t.admit_at(ip(5), closer(), Instant::now()).unwrap()).collect();
+        assert_eq!(t.open(), 3);
+        drop((busy, more));
     }
 
     #[test]

@@ -144,6 +144,7 @@ use tokio::sync::{Notify, mpsc, oneshot, watch};
 
 use crate::conns::{Activity, Closer, Member, RefusalLog, Table, Tracker};
 use crate::front::{Front, RequestError, Slot, VoiceInfo};
+use crate::live::Reloadable;
 use crate::queue::{JobHandle, Refused};
 use crate::speaker::{JobError, Spoken};
 
@@ -233,6 +234,30 @@ pub struct HttpServer {
     addr: SocketAddr,
     control: watch::Sender<Control>,
     thread: Option<JoinHandle<()>>,
+    reload: HttpReload,
+}
+
+/// A handle on a running HTTP server's [`HttpSettings`], for a reload (SIGHUP): clones share
+/// them. A new `max_connections` applies at once ([`Table::set_max`]); the timeouts apply to
+/// every connection from its next watchdog tick on (at most 250 ms), the API key from the next
+/// request on.
+#[derive(Debug, Clone)]
+pub struct HttpReload {
+    settings: Reloadable<HttpSettings>,
+    conns: Table,
+}
+
+impl HttpReload {
+    /// Apply `settings` (see the type's doc for when each takes effect).
+    pub fn apply(&self, settings: HttpSettings) {
+        self.conns.set_max(settings.max_connections);
+        self.settings.set(settings);
+    }
+
+    /// The settings in effect.
+    pub fn settings(&self) -> HttpSettings {
+        self.settings.get()
+    }
 }
 
 impl HttpServer {
@@ -254,14 +279,21 @@ impl HttpServer {
             tokio::net::TcpListener::from_std(listener)?
         };
         let (control, control_rx) = watch::channel(Control::Run);
+        let reload = HttpReload { conns: Table::new(settings.max_connections), settings: Reloadable::new(settings) };
+        let shared = Shared::new(slot, &reload);
         let thread = std::thread::Builder::new().name("herald-http".into()).spawn(move || {
-            runtime.block_on(serve(listener, slot, settings, control_rx));
+            runtime.block_on(serve(listener, shared, control_rx));
             // what is left (connections past the deadline) is dropped: their sockets close,
             // and a streaming job whose response is gone is cancelled by its watcher
             runtime.shutdown_timeout(Duration::from_millis(100));
         })?;
         log::info!("http: listening on http://{addr}");
-        Ok(HttpServer { addr, control, thread: Some(thread) })
+        Ok(HttpServer { addr, control, thread: Some(thread), reload })
+    }
+
+    /// The handle a reload applies new settings with.
+    pub fn reload_handle(&self) -> HttpReload {
+        self.reload.clone()
     }
 
     /// The address it listens on.
@@ -318,7 +350,8 @@ impl Drop for HttpServer {
 /// What every connection shares.
 struct Shared {
     slot: Slot,
-    settings: HttpSettings,
+    /// Read afresh at each use: a reload changes them ([`HttpReload`]).
+    settings: Reloadable<HttpSettings>,
     /// The connections being served ([`crate::conns`]): counted from the accept until the
     /// socket is closed.
     conns: Table,
@@ -331,11 +364,11 @@ struct Shared {
 }
 
 impl Shared {
-    fn new(slot: Slot, settings: HttpSettings) -> Self {
+    fn new(slot: Slot, reload: &HttpReload) -> Self {
         Shared {
             slot,
-            conns: Table::new(settings.max_connections),
-            settings,
+            conns: reload.conns.clone(),
+            settings: reload.settings.clone(),
             refusing: AtomicUsize::new(0),
             requests: AtomicU64::new(0),
             refusals: RefusalLog::default(),
@@ -348,6 +381,11 @@ impl Shared {
 
     fn max_connections(&self) -> usize {
         self.conns.max()
+    }
+
+    /// The settings now.
+    fn settings(&self) -> HttpSettings {
+        self.settings.get()
     }
 }
 
@@ -372,8 +410,8 @@ const STOP_POLL: Duration = Duration::from_millis(50);
 /// How often a full accept loop ([`crate::conns::Table::full`]) looks for room again.
 const FULL_POLL: Duration = Duration::from_millis(2);
 
-async fn serve(listener: tokio::net::TcpListener, slot: Slot, settings: HttpSettings, mut control: watch::Receiver<Control>) {
-    let shared = Arc::new(Shared::new(slot, settings));
+async fn serve(listener: tokio::net::TcpListener, shared: Shared, mut control: watch::Receiver<Control>) {
+    let shared = Arc::new(shared);
     let (closing, closing_rx) = watch::channel(false);
     let mut stop_poll = tokio::time::interval(STOP_POLL);
     loop {
@@ -807,7 +845,7 @@ async fn serve_connection(
         .header_read_timeout(None)
         .serve_connection(io, service);
     let mut conn = std::pin::pin!(conn);
-    let tick = watchdog_tick(&shared.settings);
+    let tick = watchdog_tick(&shared.settings());
     let mut shutting = false;
     loop {
         if !shutting && *closing.borrow() {
@@ -835,22 +873,22 @@ async fn serve_connection(
             }
             _ = closing.changed(), if !shutting => {}
             () = tokio::time::sleep(wait) => {
-                match state.expired(Instant::now(), &shared.settings) {
+                match state.expired(Instant::now(), &shared.settings()) {
                     Some(Expired::Idle) => {
-                        log::debug!("http: {peer}: idle for {:?} (serve.idle_timeout); closed", shared.settings.idle_timeout);
+                        log::debug!("http: {peer}: idle for {:?} (serve.idle_timeout); closed", shared.settings().idle_timeout);
                         return;
                     }
                     Some(Expired::Request) => {
                         log::info!(
                             "http: {peer}: the request did not arrive within {:?} (serve.request_timeout); closed",
-                            shared.settings.request_timeout
+                            shared.settings().request_timeout
                         );
                         return;
                     }
                     Some(Expired::Stalled) => {
                         log::info!(
                             "http: {peer}: took no byte of its response for {:?} (serve.request_timeout); closed",
-                            shared.settings.request_timeout
+                            shared.settings().request_timeout
                         );
                         // a reset: what the client did not take is dropped now, not kept
                         // for it by the kernel
@@ -1397,7 +1435,7 @@ async fn respond(
     if route == Route::Health {
         return Ok(health(shared));
     }
-    if let Some(key) = &shared.settings.api_key
+    if let Some(key) = &shared.settings().api_key
         && !bearer_ok(req.headers().get(header::AUTHORIZATION), key)
     {
         let e =
@@ -1433,7 +1471,7 @@ async fn respond(
             Ok(json_response(StatusCode::OK, Bytes::from(model_json(front).to_string())))
         }
         Route::Speech | Route::Say => {
-            let body = read_body(req, shared, started + shared.settings.request_timeout).await?;
+            let body = read_body(req, shared, started + shared.settings().request_timeout).await?;
             state.responding();
             if route == Route::Speech {
                 speech(&body, number, peer, shared, state).await
@@ -1540,7 +1578,7 @@ async fn speech(body: &[u8], number: u64, peer: SocketAddr, shared: &Shared, sta
     let (tx, mut rx) = mpsc::channel::<Event>(CHANNEL_MESSAGES);
     // the connection's watchdog closes a response that makes no progress for request_timeout
     // (and that cancels the job); this is the backstop should the speaker wait that long anyway
-    let writer = ChannelWriter { tx: tx.clone(), stall: shared.settings.request_timeout + Duration::from_secs(1) };
+    let writer = ChannelWriter { tx: tx.clone(), stall: shared.settings().request_timeout + Duration::from_secs(1) };
     let failure: Failure = Arc::default();
     let watcher = {
         let (failure, tx) = (Arc::clone(&failure), tx.clone());

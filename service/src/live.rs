@@ -1,8 +1,9 @@
 //! The settings `herald serve` may change while it runs (SIGHUP, docs/reliability.md
 //! "Signals"): the voice of a request that names none, the shaping and ALSA settings of each
-//! new output, the amplifier line's lead, and the longest text a network request may carry. Every job reads them when it
-//! is made, so a change applies from the next job on; the one in progress keeps what it began
-//! with.
+//! new output, the amplifier line's lead, and the longest text a network request may carry
+//! ([`Live`]); and, each in its own [`Reloadable`], the network servers' limits and timeouts.
+//! Every job reads them when it is made, so a change applies from the next job on; the one in
+//! progress keeps what it began with.
 
 use std::sync::{Arc, PoisonError, RwLock};
 use std::time::Duration;
@@ -24,23 +25,34 @@ pub struct LiveSettings {
     pub amp_lead: Option<Duration>,
 }
 
-/// A shared handle on [`LiveSettings`]: clones see the same settings.
-#[derive(Debug, Clone)]
-pub struct Live(Arc<RwLock<LiveSettings>>);
+/// A shared handle on settings a reload may change: clones see the same settings. Readers take
+/// a copy ([`get`](Self::get)) when they begin a piece of work, so a change applies from the
+/// next one on.
+#[derive(Debug)]
+pub struct Reloadable<T>(Arc<RwLock<T>>);
 
-impl Live {
+impl<T> Clone for Reloadable<T> {
+    fn clone(&self) -> Self {
+        Reloadable(Arc::clone(&self.0))
+    }
+}
+
+impl<T: Clone> Reloadable<T> {
     /// A handle holding `settings`.
-    pub fn new(settings: LiveSettings) -> Self {
-        Live(Arc::new(RwLock::new(settings)))
+    pub fn new(settings: T) -> Self {
+        Reloadable(Arc::new(RwLock::new(settings)))
     }
 
     /// A copy of the settings now.
-    pub fn get(&self) -> LiveSettings {
+    pub fn get(&self) -> T {
         self.0.read().unwrap_or_else(PoisonError::into_inner).clone()
     }
 
-    /// Replace the settings (for the next job on).
-    pub fn set(&self, settings: LiveSettings) {
+    /// Replace the settings (for the next job, request or connection on).
+    pub fn set(&self, settings: T) {
         *self.0.write().unwrap_or_else(PoisonError::into_inner) = settings;
     }
 }
+
+/// The handle on [`LiveSettings`] the speaker's front-ends share.
+pub type Live = Reloadable<LiveSettings>;

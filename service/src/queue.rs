@@ -5,8 +5,11 @@
 //! process-wide [`Stop`] cancels the job in progress and every queued one. A failing job, even
 //! a panicking one, is reported to its submitter and the worker goes on.
 
+use std::collections::VecDeque;
 use std::panic::AssertUnwindSafe;
-use std::sync::mpsc::{self, Receiver, SyncSender, TrySendError};
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::mpsc::{self, Receiver, SyncSender};
+use std::sync::{Arc, Condvar, Mutex, MutexGuard, PoisonError};
 use std::thread::JoinHandle;
 use std::time::Duration;
 
@@ -93,18 +96,44 @@ impl JobHandle {
     }
 }
 
+/// The jobs waiting, shared by the submitters and the worker.
+struct Waiting {
+    state: Mutex<State>,
+    /// Signalled when a job is added or the queue closes (the worker waits on it).
+    added: Condvar,
+    /// Signalled when a job is taken, the capacity grows or the queue closes (submitters
+    /// waiting for room wait on it).
+    room: Condvar,
+    /// How many jobs may wait besides the one in progress (at least 1; a reload may change it).
+    capacity: AtomicUsize,
+}
+
+struct State {
+    jobs: VecDeque<Queued>,
+    /// No job is taken any more: the queue is being dropped.
+    closed: bool,
+}
+
+impl Waiting {
+    fn lock(&self) -> MutexGuard<'_, State> {
+        self.state.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+}
+
+/// How often a submitter waiting for room looks at the process-wide stop.
+const ROOM_POLL: Duration = Duration::from_millis(50);
+
 /// The worker thread and its bounded queue. Dropping the queue lets the worker finish the
 /// waiting jobs (cancelled ones end at once) and joins it.
 pub struct Queue {
-    tx: Option<SyncSender<Queued>>,
+    waiting: Arc<Waiting>,
     worker: Option<JoinHandle<()>>,
-    capacity: usize,
     stop: Stop,
 }
 
 impl std::fmt::Debug for Queue {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("Queue").field("capacity", &self.capacity).finish_non_exhaustive()
+        f.debug_struct("Queue").field("capacity", &self.capacity()).finish_non_exhaustive()
     }
 }
 
@@ -116,12 +145,17 @@ impl Queue {
     /// # Errors
     /// The thread could not be started.
     pub fn start(performer: impl Perform, capacity: usize, stop: Stop) -> std::io::Result<Queue> {
-        let capacity = capacity.max(1);
-        let (tx, rx) = mpsc::sync_channel::<Queued>(capacity);
+        let waiting = Arc::new(Waiting {
+            state: Mutex::new(State { jobs: VecDeque::new(), closed: false }),
+            added: Condvar::new(),
+            room: Condvar::new(),
+            capacity: AtomicUsize::new(capacity.max(1)),
+        });
         let worker_stop = stop.clone();
+        let shared = Arc::clone(&waiting);
         let worker = std::thread::Builder::new().name("herald-speaker".into()).spawn(move || {
             let mut performer = performer;
-            for Queued { job, done } in rx {
+            while let Some(Queued { job, done }) = next(&shared) {
                 let cancel = job.cancel_handle();
                 // the stop cancels the job in progress, whatever performs it
                 let _running = worker_stop.guard(&cancel);
@@ -142,12 +176,21 @@ impl Queue {
                 let _ = done.send(outcome);
             }
         })?;
-        Ok(Queue { tx: Some(tx), worker: Some(worker), capacity, stop })
+        Ok(Queue { waiting, worker: Some(worker), stop })
     }
 
     /// How many jobs may wait besides the one in progress.
     pub fn capacity(&self) -> usize {
-        self.capacity
+        self.waiting.capacity.load(Ordering::SeqCst)
+    }
+
+    /// Change how many jobs may wait (0 counts as 1; a reload of `serve.queue_length`). Jobs
+    /// waiting already stay queued when it is lowered; new ones are refused (or wait) until
+    /// fewer than the new capacity wait.
+    pub fn set_capacity(&self, capacity: usize) {
+        let _state = self.waiting.lock();
+        self.waiting.capacity.store(capacity.max(1), Ordering::SeqCst);
+        self.waiting.room.notify_all();
     }
 
     /// Queue `job` if there is room now.
@@ -155,13 +198,18 @@ impl Queue {
     /// # Errors
     /// [`Refused::Full`] when `capacity` jobs are waiting, [`Refused::Stopped`] after the stop.
     pub fn try_submit(&self, job: Job) -> Result<JobHandle, Refused> {
-        let Some(tx) = self.open() else { return Err(Refused::Stopped(Box::new(job))) };
-        let (queued, handle) = wrap(job);
-        match tx.try_send(queued) {
-            Ok(()) => Ok(handle),
-            Err(TrySendError::Full(q)) => Err(Refused::Full { job: Box::new(q.job), capacity: self.capacity }),
-            Err(TrySendError::Disconnected(q)) => Err(Refused::Stopped(Box::new(q.job))),
+        let mut state = self.waiting.lock();
+        if state.closed || self.stop.is_stopped() {
+            return Err(Refused::Stopped(Box::new(job)));
         }
+        let capacity = self.capacity();
+        if state.jobs.len() >= capacity {
+            return Err(Refused::Full { job: Box::new(job), capacity });
+        }
+        let (queued, handle) = wrap(job);
+        state.jobs.push_back(queued);
+        self.waiting.added.notify_one();
+        Ok(handle)
     }
 
     /// Queue `job`, waiting for room while the queue is full.
@@ -169,14 +217,35 @@ impl Queue {
     /// # Errors
     /// [`Refused::Stopped`] after the stop.
     pub fn submit(&self, job: Job) -> Result<JobHandle, Refused> {
-        let Some(tx) = self.open() else { return Err(Refused::Stopped(Box::new(job))) };
+        let mut state = self.waiting.lock();
+        loop {
+            if state.closed || self.stop.is_stopped() {
+                return Err(Refused::Stopped(Box::new(job)));
+            }
+            if state.jobs.len() < self.capacity() {
+                break;
+            }
+            state = self.waiting.room.wait_timeout(state, ROOM_POLL).unwrap_or_else(PoisonError::into_inner).0;
+        }
         let (queued, handle) = wrap(job);
-        tx.send(queued).map(|()| handle).map_err(|mpsc::SendError(q)| Refused::Stopped(Box::new(q.job)))
+        state.jobs.push_back(queued);
+        self.waiting.added.notify_one();
+        Ok(handle)
     }
+}
 
-    /// The sender, unless the queue was stopped.
-    fn open(&self) -> Option<&SyncSender<Queued>> {
-        self.tx.as_ref().filter(|_| !self.stop.is_stopped())
+/// The worker's next job, waiting for one; `None` once the queue is closed and empty.
+fn next(waiting: &Waiting) -> Option<Queued> {
+    let mut state = waiting.lock();
+    loop {
+        if let Some(q) = state.jobs.pop_front() {
+            waiting.room.notify_all();
+            return Some(q);
+        }
+        if state.closed {
+            return None;
+        }
+        state = waiting.added.wait(state).unwrap_or_else(PoisonError::into_inner);
     }
 }
 
@@ -188,7 +257,12 @@ fn wrap(job: Job) -> (Queued, JobHandle) {
 
 impl Drop for Queue {
     fn drop(&mut self) {
-        self.tx = None;
+        {
+            let mut state = self.waiting.lock();
+            state.closed = true;
+            self.waiting.added.notify_all();
+            self.waiting.room.notify_all();
+        }
         if let Some(w) = self.worker.take()
             && w.join().is_err()
         {
@@ -317,6 +391,38 @@ mod tests {
         assert_eq!(b.wait().unwrap().stats.input_samples, 2);
         // room again
         assert_eq!(q.try_submit(job("dddd")).unwrap().wait().unwrap().stats.input_samples, 4);
+    }
+
+    #[test]
+    fn a_changed_capacity_applies_to_the_next_job_and_keeps_the_waiting_ones() {
+        let (q, n, _stop) = queue(1);
+        let running = q.try_submit(job("hold")).unwrap();
+        started(&n, 1);
+        let a = q.try_submit(job("a")).unwrap();
+        assert!(matches!(q.try_submit(job("b")), Err(Refused::Full { capacity: 1, .. })));
+        // raised: one more may wait
+        q.set_capacity(3);
+        let b = q.try_submit(job("bb")).unwrap();
+        // lowered below what waits: the two waiting stay queued, a new one is refused
+        q.set_capacity(1);
+        assert_eq!(q.capacity(), 1);
+        let refused = q.try_submit(job("c")).unwrap_err();
+        assert!(matches!(refused, Refused::Full { capacity: 1, .. }), "{refused:?}");
+        // a submitter that waits for room is let in when the capacity grows
+        std::thread::scope(|s| {
+            let waiter = s.spawn(|| q.submit(job("ddd")).unwrap());
+            std::thread::sleep(Duration::from_millis(100));
+            assert!(!waiter.is_finished(), "two wait already, capacity 1");
+            q.set_capacity(3);
+            let d = waiter.join().unwrap();
+            running.cancel();
+            assert_eq!(d.wait().unwrap().stats.input_samples, 3);
+        });
+        assert_eq!(a.wait().unwrap().stats.input_samples, 1);
+        assert_eq!(b.wait().unwrap().stats.input_samples, 2);
+        assert_eq!(q.capacity(), 3);
+        q.set_capacity(0);
+        assert_eq!(q.capacity(), 1, "0 counts as 1");
     }
 
     #[test]

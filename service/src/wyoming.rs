@@ -37,6 +37,7 @@ use serde_json::{Map, Value, json};
 
 use crate::conns::{Activity, Closer, RefusalLog, Table, Tracker};
 use crate::front::{Front, RequestError, Slot, language_code};
+use crate::live::Reloadable;
 use crate::queue::Refused;
 use crate::speaker::JobError;
 
@@ -79,6 +80,30 @@ pub struct WyomingServer {
     shutdown: Arc<AtomicBool>,
     thread: Option<JoinHandle<()>>,
     conns: Table,
+    settings: Reloadable<WyomingSettings>,
+}
+
+/// A handle on a running Wyoming server's [`WyomingSettings`], for a reload (SIGHUP): clones
+/// share them. A new `max_connections` applies at once ([`Table::set_max`]); the timeouts
+/// apply from each connection's next event on (a connection waiting for one already waits with
+/// the timeout it began with).
+#[derive(Debug, Clone)]
+pub struct WyomingReload {
+    settings: Reloadable<WyomingSettings>,
+    conns: Table,
+}
+
+impl WyomingReload {
+    /// Apply `settings` (see the type's doc for when each takes effect).
+    pub fn apply(&self, settings: WyomingSettings) {
+        self.conns.set_max(settings.max_connections);
+        self.settings.set(settings);
+    }
+
+    /// The settings in effect.
+    pub fn settings(&self) -> WyomingSettings {
+        self.settings.get()
+    }
 }
 
 impl WyomingServer {
@@ -92,14 +117,20 @@ impl WyomingServer {
         let addr = listener.local_addr()?;
         let shutdown = Arc::new(AtomicBool::new(false));
         let conns = Table::new(settings.max_connections);
+        let settings = Reloadable::new(settings);
         let thread = {
-            let (shutdown, conns) = (Arc::clone(&shutdown), conns.clone());
+            let (shutdown, conns, settings) = (Arc::clone(&shutdown), conns.clone(), settings.clone());
             std::thread::Builder::new()
                 .name("herald-wyoming".into())
                 .spawn(move || accept_loop(&listener, &slot, &settings, &shutdown, &conns))?
         };
         log::info!("wyoming: listening on tcp://{addr}");
-        Ok(WyomingServer { addr, shutdown, thread: Some(thread), conns })
+        Ok(WyomingServer { addr, shutdown, thread: Some(thread), conns, settings })
+    }
+
+    /// The handle a reload applies new settings with.
+    pub fn reload_handle(&self) -> WyomingReload {
+        WyomingReload { settings: self.settings.clone(), conns: self.conns.clone() }
     }
 
     /// The address it listens on.
@@ -144,7 +175,13 @@ impl Drop for WyomingServer {
     }
 }
 
-fn accept_loop(listener: &TcpListener, slot: &Slot, settings: &WyomingSettings, shutdown: &Arc<AtomicBool>, conns: &Table) {
+fn accept_loop(
+    listener: &TcpListener,
+    slot: &Slot,
+    settings: &Reloadable<WyomingSettings>,
+    shutdown: &Arc<AtomicBool>,
+    conns: &Table,
+) {
     let refusals = RefusalLog::default();
     let stopped = || shutdown.load(Ordering::SeqCst) || slot.get().is_some_and(|f| f.stop_handle().is_stopped());
     while !stopped() {
@@ -205,7 +242,7 @@ fn accept_loop(listener: &TcpListener, slot: &Slot, settings: &WyomingSettings, 
             let member = member;
             let tracker = member.tracker().clone();
             log::debug!("wyoming: {peer}: connected");
-            match Connection::new(stream, &slot, &settings, &shutdown, tracker.clone(), peer) {
+            match Connection::new(stream, &slot, settings, &shutdown, tracker.clone(), peer) {
                 Ok(mut c) => match c.serve() {
                     Ok(()) => log::debug!("wyoming: {peer}: closed"),
                     Err(_) if tracker.evicted() => {
@@ -323,6 +360,9 @@ struct EventReader<S = TcpStream> {
     pos: usize,
     request_timeout: Duration,
     idle_timeout: Duration,
+    /// Where the timeouts are read again before each event (a reload changes them); `None`:
+    /// the fields as they are (tests).
+    settings: Option<Reloadable<WyomingSettings>>,
     /// Told when an event starts to arrive ([`Activity::Arriving`]); `None` in tests.
     tracker: Option<Tracker>,
 }
@@ -336,6 +376,10 @@ impl<S: Source> EventReader<S> {
 
     /// Read the next event; `Ok(None)` at a clean end of stream (between events).
     fn next(&mut self) -> Result<Option<Event>, ProtocolError> {
+        if let Some(s) = &self.settings {
+            let s = s.get();
+            (self.request_timeout, self.idle_timeout) = (s.request_timeout, s.idle_timeout);
+        }
         // the header line: the first byte may take up to the idle timeout, the rest of the
         // event up to the request timeout from there
         let line = match self.line()? {
@@ -547,7 +591,7 @@ impl Source for &[u8] {
 pub fn fuzz_events(bytes: &[u8]) -> usize {
     fn reader(stream: &[u8]) -> EventReader<&[u8]> {
         let hour = Duration::from_secs(3600);
-        EventReader { stream, buf: Vec::new(), pos: 0, request_timeout: hour, idle_timeout: hour, tracker: None }
+        EventReader { stream, buf: Vec::new(), pos: 0, request_timeout: hour, idle_timeout: hour, settings: None, tracker: None }
     }
     let mut events = reader(bytes);
     let mut n = 0;
@@ -672,13 +716,14 @@ impl<'a> Connection<'a> {
     fn new(
         stream: TcpStream,
         slot: &'a Slot,
-        settings: &WyomingSettings,
+        reloadable: Reloadable<WyomingSettings>,
         shutdown: &'a AtomicBool,
         tracker: Tracker,
         peer: SocketAddr,
     ) -> io::Result<Self> {
         stream.set_nonblocking(false)?;
         stream.set_nodelay(true)?;
+        let settings = reloadable.get();
         // a client that stops reading cannot hold the speaker: a write blocked this long fails
         // the job's sink
         stream.set_write_timeout(Some(settings.request_timeout.max(Duration::from_secs(1))))?;
@@ -689,6 +734,7 @@ impl<'a> Connection<'a> {
             pos: 0,
             request_timeout: settings.request_timeout,
             idle_timeout: settings.idle_timeout,
+            settings: Some(reloadable),
             tracker: Some(tracker.clone()),
         };
         Ok(Connection { reader, out, slot, shutdown, mode: Mode::Single, tracker, peer })
@@ -1034,6 +1080,7 @@ mod tests {
             pos: 0,
             request_timeout: Duration::from_millis(300),
             idle_timeout: Duration::from_millis(300),
+            settings: None,
             tracker: None,
         };
         (r, client)
@@ -1126,6 +1173,7 @@ mod tests {
             pos: 0,
             request_timeout: Duration::from_secs(5),
             idle_timeout: Duration::from_secs(5),
+            settings: None,
             tracker: None,
         };
         assert!(matches!(r.next(), Err(ProtocolError::TooLarge { what: "header line", .. })));

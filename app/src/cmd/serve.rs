@@ -25,10 +25,10 @@ use std::time::{Duration, Instant};
 
 use service::fifo::{Fifo, FifoSettings, Served};
 use service::front::{Front, FrontSettings, Slot};
-use service::http::{HttpServer, HttpSettings};
+use service::http::{HttpReload, HttpServer, HttpSettings};
 use service::listen;
 use service::notify::{Heartbeat, Notifier, NotifyState, Watchdog};
-use service::wyoming::{WyomingServer, WyomingSettings};
+use service::wyoming::{WyomingReload, WyomingServer, WyomingSettings};
 use service::zeroconf;
 use service::{DeviceHealth, LiveSettings, Speaker};
 
@@ -50,6 +50,14 @@ pub struct ServeArgs {
     /// created it), or `off` for none (overrides serve.fifo; default /run/herald/say).
     #[arg(long, value_name = "PATH")]
     fifo: Option<String>,
+    /// Where the Wyoming server (Home Assistant) listens: tcp://HOST:PORT, or `off` (overrides
+    /// serve.wyoming; default tcp://127.0.0.1:10200; 0.0.0.0 for other machines).
+    #[arg(long, value_name = "URI")]
+    wyoming: Option<String>,
+    /// Where the HTTP server (OpenAI speech API, /v1/say, /healthz) listens: HOST:PORT, or `off`
+    /// (overrides serve.http; default 127.0.0.1:5000; another address needs serve.api_key).
+    #[arg(long, value_name = "ADDR")]
+    http: Option<String>,
     /// Write each line's audio as a 16-bit mono WAV `DIR/NNNNNN.wav` (NNNNNN = the line's
     /// number since start, from 000001) instead of playing it.
     #[arg(long, value_name = "DIR")]
@@ -75,7 +83,14 @@ pub fn run(config: Option<&Path>, args: ServeArgs) -> Result<(), Failure> {
     if arenas {
         log::debug!("malloc: at most {} arenas (MALLOC_ARENA_MAX overrides)", board::malloc::SERVE_ARENAS);
     }
-    let overrides = CliOverrides { bundle: args.bundle, device: args.device, fifo: args.fifo, ..CliOverrides::default() };
+    let overrides = CliOverrides {
+        bundle: args.bundle,
+        device: args.device,
+        fifo: args.fifo,
+        wyoming: args.wyoming,
+        http: args.http,
+        ..CliOverrides::default()
+    };
     cfg.apply_cli(&overrides).map_err(|e| fail(exit::INPUT, e))?;
     let fifo_path = fifo_path(&cfg.serve.fifo);
     if let Some(dir) = &args.out_dir
@@ -173,6 +188,8 @@ pub fn run(config: Option<&Path>, args: ServeArgs) -> Result<(), Failure> {
         slot: slot.clone(),
         device,
         plays,
+        http: servers.http.as_ref().map(|h| (h.reload_handle(), h.local_addr())),
+        wyoming: servers.wyoming.as_ref().map(WyomingServer::reload_handle),
     };
     crate::signals::on_hangup(move || reloading.reload());
     let mut ready = match &fifo {
@@ -233,46 +250,7 @@ impl Network {
         let input = |e: listen::ListenError| fail(exit::INPUT, e);
         let wyoming = listen::parse("serve.wyoming", &cfg.wyoming, "tcp").map_err(input)?;
         let http = listen::parse("serve.http", &cfg.http, "http").map_err(input)?;
-        if let Some(key) = &cfg.api_key
-            && (key.trim().is_empty() || key.trim() != key)
-        {
-            // an EnvironmentFile= line with a trailing space would otherwise lock every client out
-            return Err(fail(
-                exit::INPUT,
-                anyhow::anyhow!("serve.api_key is blank or has white space around it; a bearer token cannot carry it"),
-            ));
-        }
-        // set, but empty (`HERALD_SERVE_API_KEY=`): no key, like every optional key left empty
-        let empty_key = cfg.api_key.is_none() && api_key_origin != "default";
-        if let Some(a) = http
-            && !a.ip().is_loopback()
-            && empty_key
-        {
-            return Err(fail(
-                exit::INPUT,
-                anyhow::anyhow!(
-                    "serve.api_key is empty ({api_key_origin}), but serve.http = {:?} is reachable from other machines \
-                     and needs a key: give it a value, or listen on a loopback address",
-                    cfg.http
-                ),
-            ));
-        }
-        if http.is_some() && empty_key {
-            log::info!("serve.api_key is empty ({api_key_origin}): the HTTP API on loopback needs no key");
-        }
-        if let Some(a) = http
-            && !a.ip().is_loopback()
-            && cfg.api_key.is_none()
-        {
-            return Err(fail(
-                exit::INPUT,
-                anyhow::anyhow!(
-                    "serve.http = {:?} is reachable from other machines: set serve.api_key (HERALD_SERVE_API_KEY) \
-                     so that requests need a bearer token, or listen on a loopback address",
-                    cfg.http
-                ),
-            ));
-        }
+        check_api_key(cfg, http, api_key_origin).map_err(|e| fail(exit::INPUT, e))?;
         if let (Some(w), Some(h)) = (wyoming, http)
             && w.port() == h.port()
             && w.port() != 0
@@ -311,6 +289,14 @@ fn bug(what: &'static str) -> impl Fn(std::io::Error) -> Failure {
     move |e| fail(exit::BUG, anyhow::Error::new(e).context(what))
 }
 
+fn wyoming_settings(cfg: &ServeConfig) -> WyomingSettings {
+    WyomingSettings {
+        max_connections: cfg.max_connections,
+        request_timeout: Duration::from_secs(cfg.request_timeout_s.into()),
+        idle_timeout: Duration::from_secs(cfg.idle_timeout_s.into()),
+    }
+}
+
 fn http_settings(cfg: &ServeConfig) -> HttpSettings {
     HttpSettings {
         max_connections: cfg.max_connections,
@@ -326,12 +312,7 @@ impl Servers {
     /// `describe` as a broken server), then announce it over Zeroconf when wanted.
     fn start_wyoming(&mut self, net: &mut Network, cfg: &ServeConfig, slot: &Slot) -> Result<(), Failure> {
         let Some(l) = net.wyoming.take() else { return Ok(()) };
-        let settings = WyomingSettings {
-            max_connections: cfg.max_connections,
-            request_timeout: Duration::from_secs(cfg.request_timeout_s.into()),
-            idle_timeout: Duration::from_secs(cfg.idle_timeout_s.into()),
-        };
-        let w = WyomingServer::start(l, slot.clone(), settings).map_err(bug("cannot start the Wyoming server"))?;
+        let w = WyomingServer::start(l, slot.clone(), wyoming_settings(cfg)).map_err(bug("cannot start the Wyoming server"))?;
         if cfg.zeroconf == Zeroconf::Auto && zeroconf::wanted(&w.local_addr()) {
             match zeroconf::Announcement::start(w.local_addr(), zeroconf::MDNS_PORT) {
                 Ok(a) => self.zeroconf = Some(a),
@@ -383,10 +364,52 @@ fn fifo_path(value: &str) -> Option<PathBuf> {
     (!v.eq_ignore_ascii_case("off")).then(|| PathBuf::from(value))
 }
 
+/// Check `serve.api_key` for the HTTP server at `http` (`None`: off): not blank, and set where
+/// `http` is reachable from other machines; `origin`: where the key came from, for the message
+/// ([`Config::origin`]). An empty key on loopback is logged (it means no authentication).
+///
+/// # Errors
+/// What is wrong, naming the keys.
+fn check_api_key(cfg: &ServeConfig, http: Option<SocketAddr>, origin: &str) -> anyhow::Result<()> {
+    if let Some(key) = &cfg.api_key
+        && (key.trim().is_empty() || key.trim() != key)
+    {
+        // an EnvironmentFile= line with a trailing space would otherwise lock every client out
+        anyhow::bail!("serve.api_key is blank or has white space around it; a bearer token cannot carry it");
+    }
+    // set, but empty (`HERALD_SERVE_API_KEY=`): no key, like every optional key left empty
+    let empty_key = cfg.api_key.is_none() && origin != "default";
+    if let Some(a) = http
+        && !a.ip().is_loopback()
+        && empty_key
+    {
+        anyhow::bail!(
+            "serve.api_key is empty ({origin}), but serve.http = {:?} is reachable from other machines \
+             and needs a key: give it a value, or listen on a loopback address",
+            cfg.http
+        );
+    }
+    if http.is_some() && empty_key {
+        log::info!("serve.api_key is empty ({origin}): the HTTP API on loopback needs no key");
+    }
+    if let Some(a) = http
+        && !a.ip().is_loopback()
+        && cfg.api_key.is_none()
+    {
+        anyhow::bail!(
+            "serve.http = {:?} is reachable from other machines: set serve.api_key (HERALD_SERVE_API_KEY) \
+             so that requests need a bearer token, or listen on a loopback address",
+            cfg.http
+        );
+    }
+    Ok(())
+}
+
 /// The keys a SIGHUP applies to the running service (docs/reliability.md "Signals"): the
 /// shaping and ALSA settings of each new output, the voice of a request that names none, the
-/// amplifier line's lead and the longest text a network request may carry. Every other key
-/// needs a restart (the amplifier's chip, line and level: the line is held open).
+/// amplifier line's lead, the longest text a network request may carry, and the network
+/// servers' limits, timeouts and API key. Every other key needs a restart (the amplifier's
+/// chip, line and level: the line is held open; the addresses: the sockets are bound).
 pub const RELOADABLE: &[&str] = &[
     "audio.device",
     "audio.format",
@@ -402,6 +425,11 @@ pub const RELOADABLE: &[&str] = &[
     "synthesis.sampling",
     "synthesis.seed",
     "serve.max_text_chars",
+    "serve.queue_length",
+    "serve.max_connections",
+    "serve.request_timeout_s",
+    "serve.idle_timeout_s",
+    "serve.api_key",
     "amplifier.lead_ms",
 ];
 
@@ -418,6 +446,10 @@ struct Reloading {
     slot: Slot,
     device: Option<DeviceHealth>,
     plays: bool,
+    /// The HTTP server's settings and its address (`serve.http` needs a restart), when it runs.
+    http: Option<(HttpReload, SocketAddr)>,
+    /// The Wyoming server's settings, when it runs.
+    wyoming: Option<WyomingReload>,
 }
 
 impl Reloading {
@@ -441,6 +473,13 @@ impl Reloading {
         let restart: Vec<&str> = config::keys().filter(|k| !RELOADABLE.contains(k) && self.started.get(k) != new.get(k)).collect();
         if !changed.is_empty() {
             let Some(front) = self.slot.get() else { return };
+            // everything is checked before anything changes
+            if let Some((_, addr)) = &self.http
+                && let Err(e) = check_api_key(&new.serve, Some(*addr), new.origin("serve.api_key"))
+            {
+                log::error!("SIGHUP: {e}; nothing was changed");
+                return;
+            }
             let settings = crate::speaker::settings(&new, self.plays);
             let voice = match front.bundle_voice(&settings.voice) {
                 Ok(v) => v,
@@ -454,8 +493,22 @@ impl Reloading {
             if let Some(d) = &self.device {
                 d.set_device(&new.audio.device);
             }
-            let list: Vec<String> =
-                changed.iter().map(|k| format!("{k} = {}", new.get(k).unwrap_or_else(|| "(not set)".into()))).collect();
+            front.queue().set_capacity(new.serve.queue_length);
+            if let Some((h, _)) = &self.http {
+                h.apply(http_settings(&new.serve));
+            }
+            if let Some(w) = &self.wyoming {
+                w.apply(wyoming_settings(&new.serve));
+            }
+            let list: Vec<String> = changed
+                .iter()
+                .map(|k| match (*k, new.get(k)) {
+                    // a secret is never written to the log
+                    ("serve.api_key", Some(_)) => format!("{k} (set)"),
+                    (_, Some(v)) => format!("{k} = {v}"),
+                    (_, None) => format!("{k} (not set)"),
+                })
+                .collect();
             log::info!("SIGHUP: reloaded {} (from the next request on)", list.join(", "));
             *applied = new;
         } else if restart.is_empty() {
