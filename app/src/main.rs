@@ -61,7 +61,22 @@ enum Command {
     /// Measure step latencies against the memory-bandwidth floor, the pipeline, load time and a
     /// thread sweep (docs/performance.md).
     Bench(cmd::bench::BenchArgs),
-    /// Run as the appliance: load the model once, speak each line written to a FIFO (systemd notify).
+    /// Run as the appliance: load the model once and serve the FIFO, Wyoming and HTTP (systemd notify).
+    ///
+    /// Three front-ends share one job queue and the speaker, each turned off with `off`:
+    ///
+    /// - the FIFO: each line of text written to it is spoken (`--fifo`, serve.fifo; default
+    ///   /run/herald/say);
+    ///
+    /// - Wyoming, for Home Assistant (`--wyoming`, serve.wyoming; default
+    ///   tcp://127.0.0.1:10200; announced over Zeroconf when not on loopback);
+    ///
+    /// - HTTP, the OpenAI speech API (`POST /v1/audio/speech`, `GET /v1/models`),
+    ///   `POST /v1/say` and `GET /healthz` (`--http`, serve.http;
+    ///   default 127.0.0.1:5000; an address other machines reach needs serve.api_key).
+    ///
+    /// Limits, timeouts and the API key: the [serve] section of the configuration
+    /// (docs/config.md, "herald serve"); SIGHUP reloads them (docs/reliability.md, "Signals").
     Serve(cmd::serve::ServeArgs),
 }
 

@@ -391,6 +391,14 @@ fn startup_errors_exit_with_one_line() {
         2,
         "nothing to serve",
     );
+    // the same from the flags, which win over the environment
+    check(run(&["serve", "--bundle", bs, "--fifo", "off", "--wyoming", "off", "--http", "off"], &[]), 2, "nothing to serve");
+    check(
+        run(&["serve", "--bundle", bs, "--fifo", f, "--http", "18500"], &[("HERALD_SERVE_HTTP", "127.0.0.1:0")]),
+        2,
+        "serve.http = \"18500\": no host",
+    );
+    check(run(&["serve", "--bundle", bs, "--fifo", f, "--wyoming", "udp://1.2.3.4:5"], &[]), 2, "serve.wyoming");
     check(run(&["serve", "--bundle", bs, "--fifo", f], &[("HERALD_SERVE_WYOMING", "")]), 2, "empty");
     let busy = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
     let taken = format!("tcp://{}", busy.local_addr().unwrap());
@@ -515,4 +523,26 @@ fn devices_marks_which_pcms_open() {
     };
     assert_eq!(cols("good"), "yes", "{out}");
     assert_eq!(cols("default"), "no", "{out}");
+}
+
+#[test]
+fn serve_help_names_every_server_its_flag_default_and_docs() {
+    let o = run(&["serve", "--help"], &[]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let help = String::from_utf8_lossy(&o.stdout);
+    for needle in [
+        "--fifo",
+        "/run/herald/say",
+        "--wyoming",
+        "tcp://127.0.0.1:10200",
+        "Home Assistant",
+        "--http",
+        "127.0.0.1:5000",
+        "/v1/audio/speech",
+        "serve.api_key",
+        "docs/config.md",
+        "SIGHUP",
+    ] {
+        assert!(help.contains(needle), "serve --help lacks {needle}:\n{help}");
+    }
 }
