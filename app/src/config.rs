@@ -335,6 +335,37 @@ settings! {
         max_start_delay_ms: u32 = 3000, Within(MAX_START_DELAY_MS);
     }
 
+    /// The text front-end: what every text (the FIFO's lines, Wyoming and HTTP requests,
+    /// `herald speak`) goes through before it is spoken, so that a language model's answer
+    /// is read as a person would read it ([the text front-end](#the-text-front-end)).
+    text: TextConfig {
+        /// Whether the text is read as markdown: `auto` parses it as markdown only when it shows
+        /// markdown's signs (a `# heading`, a `- ` or `1. ` list line, `**bold**`, `*emphasis*`,
+        /// a code fence or `` `code` ``, a `[link](url)`, a `| table |` row, a `> quote`); `on`
+        /// always; `off` never (the text is read as it is, the other rules still apply).
+        /// Markdown is read as its words: headings, list items and table rows as sentences,
+        /// links as their text; images, struck-out text, footnotes and HTML tags not at all.
+        markdown: TextMarkdown = TextMarkdown::Auto, OneOf;
+        /// `remove` takes emoji and pictographs out of the text (whole sequences: ZWJ
+        /// sequences, skin tones, flags, keycaps, variation selectors, tags), `keep` leaves them
+        /// to the model.
+        emoji: TextEmoji = TextEmoji::Remove, OneOf;
+        /// Markdown's code, fenced blocks and inline `` `code` ``: `skip` leaves it out, `read`
+        /// reads it as text.
+        code: TextCode = TextCode::Skip, OneOf;
+        /// URLs and e-mail addresses: `host` reads a URL as its host
+        /// (`https://www.example.com/a?b` → `example.com`) and an address as `name at
+        /// example.com`; `skip` leaves both out; `keep` reads them as they are.
+        urls: TextUrls = TextUrls::Host, OneOf;
+        /// A file of replacement rules applied, in order, after the rules above
+        /// ([format](#replacement-rules)): `TEXT => REPLACEMENT` or `/REGEX/ => REPLACEMENT`,
+        /// one a line. Read and checked at start-up: a bad rule stops herald with exit code 2,
+        /// naming the file and the line. `herald serve` reads it again on SIGHUP (a bad file
+        /// then changes nothing). A relative path in a file is relative to that file's
+        /// directory. Not set: no rules.
+        replacements: Option<PathBuf> = None, Opt("no replacement rules", FsPath("a file"));
+    }
+
     /// Compute threads, the stored calibration and the memory pools.
     runtime: RuntimeConfig {
         /// Threads for the model computation. `0`: herald places the work itself (see
@@ -755,6 +786,50 @@ impl VocoderChoice {
             VocoderChoice::Stateful => Some(model::backend::VocoderForm::Stateful),
             VocoderChoice::Windowed => Some(model::backend::VocoderForm::Windowed),
         }
+    }
+}
+
+named! {
+    /// `text.markdown`: whether a text is read as markdown.
+    TextMarkdown {
+        /// When it shows markdown's signs.
+        Auto = "auto",
+        /// Always.
+        On = "on",
+        /// Never.
+        Off = "off",
+    }
+}
+
+named! {
+    /// `text.emoji`: what happens to emoji and pictographs.
+    TextEmoji {
+        /// Taken out.
+        Remove = "remove",
+        /// Left to the model.
+        Keep = "keep",
+    }
+}
+
+named! {
+    /// `text.code`: what happens to markdown's code.
+    TextCode {
+        /// Left out.
+        Skip = "skip",
+        /// Read as text.
+        Read = "read",
+    }
+}
+
+named! {
+    /// `text.urls`: what happens to URLs and e-mail addresses.
+    TextUrls {
+        /// A URL as its host, an address as `name at host`.
+        Host = "host",
+        /// Left out.
+        Skip = "skip",
+        /// As they are.
+        Keep = "keep",
     }
 }
 
@@ -1960,14 +2035,16 @@ mod tests {
     fn unknown_sections_and_top_level_keys() {
         let msg = load_err("gpio.toml", "[audio]\n\n[gpio]\npin = 4\n");
         assert!(
-            msg.ends_with("gpio.toml:3: unknown section [gpio] (sections: model, audio, synthesis, runtime, amplifier, serve, log)"),
+            msg.ends_with(
+                "gpio.toml:3: unknown section [gpio] (sections: model, audio, synthesis, text, runtime, amplifier, serve, log)"
+            ),
             "{msg}"
         );
         let msg = load_err("top.toml", "volume = 1.0\n");
         assert!(
             msg.ends_with(
                 "top.toml:1: key volume is outside any section (settings live in the sections [model], \
-                               [audio], [synthesis], [runtime], [amplifier], [serve], [log])"
+                               [audio], [synthesis], [text], [runtime], [amplifier], [serve], [log])"
             ),
             "{msg}"
         );
@@ -2237,6 +2314,7 @@ mod tests {
         c.serve.api_key = Some("secret".into());
         c.runtime.qnn_lib_dir = Some(PathBuf::from("/usr/lib/qnn"));
         c.runtime.qnn_arch = Some("v73".into());
+        c.text.replacements = Some(PathBuf::from("/etc/herald/words.txt"));
         let printed = c.to_toml();
         let table: toml::Table = printed.parse().unwrap();
         let mut printed_keys: Vec<String> = Vec::new();

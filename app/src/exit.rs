@@ -7,7 +7,7 @@
 use board::audio::{SinkError, SinkErrorKind};
 use engine::EngineError;
 use service::fifo::FifoError;
-use service::{JobError, ServiceError};
+use service::{JobError, ServiceError, TextError};
 
 use crate::tuning::TuneError;
 
@@ -93,6 +93,14 @@ impl From<TuneError> for Failure {
             TuneError::DoesNotFit(_) | TuneError::Bundle { .. } => BUNDLE,
         };
         fail(code, e)
+    }
+}
+
+/// The replacement rules (`text.replacements`) cannot be read or have a bad rule: a
+/// configuration error (2).
+impl From<TextError> for Failure {
+    fn from(e: TextError) -> Self {
+        fail(INPUT, e)
     }
 }
 

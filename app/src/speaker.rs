@@ -1,16 +1,52 @@
 //! The configuration as the service sees it: the one function that maps [`Config`] into the
-//! service's plain settings (voice, amplifier line, sinks).
+//! service's plain settings (voice and its text front-end, amplifier line, sinks).
 
 use std::time::Duration;
 
+use std::sync::Arc;
+
 use engine::prompt::PromptMode;
+use service::text::{self, Replacements, TextError, TextOptions};
 use service::{AmpSettings, OutputSettings, Reading, Seeding, SpeakerSettings, StartSettings, Voice};
 
-use crate::config::{ActiveLevel, Config, SynthesisMode};
+use crate::config::{ActiveLevel, Config, SynthesisMode, TextCode, TextEmoji, TextMarkdown, TextUrls};
+
+/// The text front-end's settings from `[text]`, the replacement file read and checked.
+///
+/// # Errors
+/// [`TextError`] when `text.replacements` cannot be read or has a bad rule.
+pub fn text_options(cfg: &Config) -> Result<TextOptions, TextError> {
+    let t = &cfg.text;
+    let replacements = t.replacements.as_deref().map(Replacements::load).transpose()?.map(Arc::new);
+    Ok(TextOptions {
+        markdown: match t.markdown {
+            TextMarkdown::Auto => text::Markdown::Auto,
+            TextMarkdown::On => text::Markdown::On,
+            TextMarkdown::Off => text::Markdown::Off,
+        },
+        emoji: match t.emoji {
+            TextEmoji::Remove => text::Emoji::Remove,
+            TextEmoji::Keep => text::Emoji::Keep,
+        },
+        code: match t.code {
+            TextCode::Skip => text::Code::Skip,
+            TextCode::Read => text::Code::Read,
+        },
+        urls: match t.urls {
+            TextUrls::Host => text::Urls::Host,
+            TextUrls::Skip => text::Urls::Skip,
+            TextUrls::Keep => text::Urls::Keep,
+        },
+        replacements,
+    })
+}
 
 /// The speaker's settings from `cfg`. `plays`: the audio goes to the device, so the amplifier
 /// line (`[amplifier]`) is used; writing files never touches it.
-pub fn settings(cfg: &Config, plays: bool) -> SpeakerSettings {
+///
+/// # Errors
+/// [`TextError`] when `text.replacements` cannot be read or has a bad rule ([`text_options`]).
+pub fn settings(cfg: &Config, plays: bool) -> Result<SpeakerSettings, TextError> {
     let s = &cfg.synthesis;
     let voice = Voice {
         language: s.language.clone(),
@@ -24,6 +60,7 @@ pub fn settings(cfg: &Config, plays: bool) -> SpeakerSettings {
             let s = s.clone();
             move || s.utterance_seed()
         }),
+        text: text_options(cfg)?,
     };
     let a = &cfg.amplifier;
     let amplifier = a.chip.as_ref().filter(|_| plays).map(|chip| AmpSettings {
@@ -38,11 +75,11 @@ pub fn settings(cfg: &Config, plays: bool) -> SpeakerSettings {
         max_delay: Duration::from_millis(s.max_start_delay_ms.into()),
         calibrated: None,
     };
-    SpeakerSettings {
+    Ok(SpeakerSettings {
         voice,
         amplifier,
         output: OutputSettings { shaper: cfg.shaper_settings(), alsa: cfg.alsa_settings() },
         reading,
         start,
-    }
+    })
 }

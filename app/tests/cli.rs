@@ -316,6 +316,20 @@ fn documented_exit_codes_with_one_line_reasons() {
     check(herald(&["speak", "  ", "--bundle", bs, "--out", keep.to_str().unwrap()], &[], None), 2, "nothing to say");
     // punctuation alone has no letter or digit: nothing to say either (a model would babble)
     check(herald(&["speak", "?!...,;:", "--bundle", bs, "--out", keep.to_str().unwrap()], &[], None), 2, "nothing to say");
+    // nothing left once the text front-end has read it (only emoji, only code): nothing to say
+    check(herald(&["speak", "🎉🎉 👍🏽", "--bundle", bs, "--out", keep.to_str().unwrap()], &[], None), 2, "nothing to say");
+    check(herald(&["speak", "```\nls -la\n```", "--bundle", bs, "--out", keep.to_str().unwrap()], &[], None), 2, "nothing to say");
+    // a bad replacement rule is a configuration error naming the file and the line
+    let rules = d.join("rules.txt");
+    std::fs::write(&rules, "# words\nHA => Home Assistant\n/(unclosed/ => x\n").unwrap();
+    let env = [("HERALD_TEXT_REPLACEMENTS", rules.to_str().unwrap())];
+    check(
+        herald(&["speak", "hi", "--bundle", bs, "--out", keep.to_str().unwrap()], &env, None),
+        2,
+        "rules.txt:3: bad replacement rule",
+    );
+    let env = [("HERALD_TEXT_REPLACEMENTS", "/nonexistent/rules.txt")];
+    check(herald(&["speak", "hi", "--bundle", bs, "--out", keep.to_str().unwrap()], &env, None), 2, "/nonexistent/rules.txt");
     check(
         herald(&["speak", "hi", "--bundle", broken.to_str().unwrap(), "--out", keep.to_str().unwrap()], &[], None),
         4,

@@ -215,6 +215,13 @@ impl Front {
         Ok(request)
     }
 
+    /// Whether `text` has something to say once the text front-end has read it
+    /// ([`crate::text::spoken`] with the configured options): a stream's piece of only emoji,
+    /// a stray quote or only code has not.
+    pub fn has_words(&self, text: &str) -> bool {
+        engine::prompt::has_words(&crate::text::spoken(text, &self.live.get().voice.text))
+    }
+
     /// The bundle's name for `language`: a name of its `[languages]` or `auto` as given (any
     /// case), else an ISO 639-1 code or a BCP 47 tag (`en`, `en-US`, `zh_CN`) mapped through
     /// [`LANGUAGE_CODES`] to a bundle language; anything else comes back lower-cased, for the

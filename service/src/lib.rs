@@ -15,6 +15,8 @@
 //! - [`notify`]: systemd's sd_notify(3) and the watchdog; [`output`]: the sinks and atomic file
 //!   writes; [`lookahead`]: the player thread that lets a long text's next segment be computed
 //!   while the last one plays.
+//! - [`text`]: the text front-end every request goes through ([`Voice::request`]): markdown,
+//!   emoji, URLs, punctuation and the user's replacement rules.
 //!
 //! Nothing here knows the application's configuration: the settings are plain structs
 //! ([`SpeakerSettings`]) that the binary fills from its configuration in one function.
@@ -32,6 +34,7 @@ pub mod notify;
 pub mod output;
 pub mod queue;
 pub mod speaker;
+pub mod text;
 pub mod wyoming;
 pub mod zeroconf;
 
@@ -45,6 +48,7 @@ pub use speaker::{
     AmpSettings, DEFAULT_MAX_START_DELAY, Job, JobError, Learned, OnLearned, Preparing, Reading, Seeding, ServiceError, Speaker,
     SpeakerSettings, Spoken, StageRates, StartSettings, Voice, check, check_in, load_engine, plan,
 };
+pub use text::{TextError, TextOptions};
 
 /// An error and its causes on one line, skipping a cause whose text its parent already shows
 /// (typed errors often print their source themselves).

@@ -20,6 +20,7 @@ use engine::{Engine, EngineError, EngineSettings, Manifest, PlaybackMetrics, Rep
 use crate::cancel::{Cancel, Stop};
 use crate::lookahead::Feeder;
 use crate::output::{OutputSettings, Target};
+use crate::text::TextOptions;
 
 /// Where each utterance's sampler seed comes from: `None` means greedy decoding. Clones share
 /// the source.
@@ -54,7 +55,8 @@ impl std::fmt::Debug for Seeding {
     }
 }
 
-/// The voice every job is spoken with, unless the job's [`Request`] says otherwise.
+/// The voice every job is spoken with, unless the job's [`Request`] says otherwise, and how its
+/// text is read ([`TextOptions`]).
 #[derive(Debug, Clone)]
 pub struct Voice {
     /// Language name from the bundle, or `auto`.
@@ -65,14 +67,24 @@ pub struct Voice {
     pub mode: PromptMode,
     /// Seeding of the sampler.
     pub seeding: Seeding,
+    /// The text front-end's settings (`[text]`): markdown, emoji, URLs, replacement rules.
+    pub text: TextOptions,
 }
 
 impl Voice {
-    /// The request for `text` in this voice (its seed from [`Seeding::next`]): the one place a [`Request`] is built from the configuration.
+    /// The request for `text` in this voice (its seed from [`Seeding::next`]): the one place a
+    /// [`Request`] is built from the configuration, so every front-end's text goes through the
+    /// text front-end here ([`crate::text::spoken`]). A text that has nothing left once cleaned
+    /// (only emoji, only code) becomes a blank, which [`check`] and [`plan`] refuse as having
+    /// nothing to say ([`PromptError::BlankText`]), like a text of only white space.
     pub fn request(&self, text: &str) -> Request {
         let seed = self.seeding.next();
+        let mut spoken = crate::text::spoken(text, &self.text);
+        if spoken.is_empty() && !text.is_empty() {
+            spoken.push(' ');
+        }
         Request {
-            text: text.to_owned(),
+            text: spoken,
             language: Some(self.language.clone()),
             speaker: self.speaker.clone(),
             mode: self.mode,

@@ -13,7 +13,8 @@
 //!   equals `herald speak --raw` of the same text, voice and seed;
 //! - streaming: `synthesize-start` {voice?}, `synthesize-chunk` {text}…, the compatibility
 //!   `synthesize` (ignored inside a stream), `synthesize-stop` → for each completed sentence
-//!   ([`split_sentences`]) `audio-start`/`audio-chunk`s/`audio-stop`, then
+//!   ([`split_sentences`]; a fenced code block as one piece, [`split_stream`])
+//!   `audio-start`/`audio-chunk`s/`audio-stop`, then
 //!   `synthesize-stopped`;
 //! - `ping` → `pong`; any other type is ignored (the protocol's rule for unknown events).
 //!
@@ -602,6 +603,9 @@ pub fn fuzz_events(bytes: &[u8]) -> usize {
             let (sentences, rest) = split_sentences(&text);
             let joined: usize = sentences.iter().map(String::len).sum::<usize>() + rest.len();
             assert!(joined <= text.len(), "the splitter invents text");
+            let (pieces, rest) = split_stream(&text);
+            let joined: usize = pieces.iter().map(String::len).sum::<usize>() + rest.len();
+            assert!(joined <= text.len(), "the stream splitter invents text");
         }
         let wire = encode(&ev.kind, &Value::Object(ev.data.clone()), &ev.payload);
         let mut again = reader(wire.as_slice());
@@ -832,15 +836,15 @@ impl<'a> Connection<'a> {
                     )?);
                 }
                 pending.push_str(&text);
-                let (sentences, rest) = split_sentences(pending);
+                let (sentences, rest) = split_stream(pending);
                 *pending = rest.to_owned();
                 let voice = match &self.mode {
                     Mode::Streaming { voice, .. } => voice.clone(),
                     Mode::Single => VoiceAsk::default(),
                 };
-                // a stream's piece without a letter or digit (a stray quote or dash between
-                // sentences) is dropped, not answered with an error mid-stream
-                for s in sentences.into_iter().filter(|s| engine::prompt::has_words(s)) {
+                // a stream's piece with nothing to say once read (a stray quote or dash between
+                // sentences, only emoji) is dropped, not answered with an error mid-stream
+                for s in sentences.into_iter().filter(|s| front.has_words(s)) {
                     self.speak(front, &s, &voice)?;
                 }
             }
@@ -848,7 +852,7 @@ impl<'a> Connection<'a> {
                 let Mode::Streaming { voice, pending, overflowed } = std::mem::replace(&mut self.mode, Mode::Single) else {
                     return Ok(self.error("synthesize-stop outside synthesize-start … synthesize-stop", "bad-request")?);
                 };
-                if !overflowed && engine::prompt::has_words(&pending) {
+                if !overflowed && front.has_words(&pending) {
                     self.speak(front, pending.trim(), &voice)?;
                 }
                 self.out.send("synthesize-stopped", &Value::Null)?;
@@ -1021,6 +1025,28 @@ pub fn split_sentences(text: &str) -> (Vec<String>, &str) {
     (sentences.into_iter().map(|r| text[r].to_owned()).collect(), &text[rest..])
 }
 
+/// A stream's text cut as [`split_sentences`] does, except that a fenced code block
+/// ([`crate::text::markdown::first_fence`]) is one piece, from its opening to its closing line,
+/// and an open one holds everything from its opening line on until it closes (or the stream
+/// stops): the text front-end then skips or reads the block as a whole (`text.code`), never
+/// its lines one by one as text.
+pub fn split_stream(text: &str) -> (Vec<String>, &str) {
+    let Some(fence) = crate::text::markdown::first_fence(text) else { return split_sentences(text) };
+    // the fence starts a line, so the text before it ends at a line break: all of it is complete
+    let (mut pieces, before) = split_sentences(&text[..fence.start]);
+    if !before.trim().is_empty() {
+        pieces.push(before.trim().to_owned());
+    }
+    let Some(end) = fence.end else { return (pieces, &text[fence.start..]) };
+    let block = text[fence.start..end].trim();
+    if !block.is_empty() {
+        pieces.push(block.to_owned());
+    }
+    let (more, rest) = split_stream(&text[end..]);
+    pieces.extend(more);
+    (pieces, rest)
+}
+
 #[cfg(test)]
 mod tests {
     #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
@@ -1046,6 +1072,18 @@ mod tests {
         let (s, rest) = split_sentences("Dr. Smith met J. R. R. Tolkien, e.g. here. Then");
         assert_eq!(s, ["Dr. Smith met J. R. R. Tolkien, e.g. here."]);
         assert_eq!(rest, " Then");
+    }
+
+    #[test]
+    fn a_stream_holds_a_code_block_together() {
+        let (s, rest) = split_stream("Try this:\n```python\nprint('hi')\nx = 1\n");
+        assert_eq!(s, ["Try this:"]);
+        assert_eq!(rest, "```python\nprint('hi')\nx = 1\n");
+        let (s, rest) = split_stream("Try this:\n```python\nprint('hi')\n```\nIt prints hi. And");
+        assert_eq!(s, ["Try this:", "```python\nprint('hi')\n```", "It prints hi."]);
+        assert_eq!(rest, " And");
+        let (s, rest) = split_stream("One. Two\n");
+        assert_eq!((s, rest), (vec!["One.".to_owned(), "Two".to_owned()], ""));
     }
 
     #[test]

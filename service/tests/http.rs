@@ -63,7 +63,13 @@ fn serve(queue_length: usize) -> Served {
 
 fn serve_with(queue_length: usize, request_timeout: Duration) -> Served {
     let stop = Stop::new();
-    let voice = Voice { language: "auto".into(), speaker: None, mode: Default::default(), seeding: Seeding::fixed(5) };
+    let voice = Voice {
+        language: "auto".into(),
+        speaker: None,
+        mode: Default::default(),
+        seeding: Seeding::fixed(5),
+        text: Default::default(),
+    };
     let settings = SpeakerSettings {
         voice,
         amplifier: None,

@@ -37,7 +37,13 @@ fn speaker(stop: &Stop) -> Speaker {
 }
 
 fn speaker_reading(stop: &Stop, reading: Reading) -> Speaker {
-    let voice = Voice { language: "auto".into(), speaker: None, mode: Default::default(), seeding: Seeding::fixed(5) };
+    let voice = Voice {
+        language: "auto".into(),
+        speaker: None,
+        mode: Default::default(),
+        seeding: Seeding::fixed(5),
+        text: Default::default(),
+    };
     let settings = SpeakerSettings { voice, amplifier: None, output: OutputSettings::default(), reading, start: Default::default() };
     let settings_engine = EngineSettings { kv_capacity: 1024, ..EngineSettings::default() };
     Speaker::prepare(settings, stop.clone()).unwrap().load(&bundle(), &settings_engine).unwrap()
@@ -213,7 +219,8 @@ fn texts_over_the_long_text_limit_are_refused_with_the_limit() {
     let max = engine::segment::max_segment_tokens(1024);
     assert!(parts.iter().all(|p| s.engine().bundle().prompter.count_tokens(&p.text) <= max));
     // no letter or digit in any script: nothing to say (the layout alone would take it)
-    for blank in ["?!...,;:", "。！？", " -- "] {
+    // and a text with nothing left once read (only emoji, only code) is refused the same way
+    for blank in ["?!...,;:", "。！？", " -- ", "🎉🎉 👍🏽", "```\nls -la\n```"] {
         let e = s.plan(&s.request(blank)).unwrap_err();
         assert!(matches!(e, engine::prompt::PromptError::BlankText), "{blank:?}: {e}");
         assert!(e.to_string().contains("nothing to say"), "{e}");

@@ -231,7 +231,13 @@ impl AudioSink for Clocked {
 /// rates, if any); returns the report, what the
 /// device played and when the request was made.
 fn run(times: Times, policy: StartPolicy, text: &str, frames: usize, calibrated: Option<StageRates>) -> (Report, Played, Instant) {
-    let voice = Voice { language: "auto".into(), speaker: None, mode: Default::default(), seeding: Seeding::greedy() };
+    let voice = Voice {
+        language: "auto".into(),
+        speaker: None,
+        mode: Default::default(),
+        seeding: Seeding::greedy(),
+        text: Default::default(),
+    };
     let start = StartSettings { policy, max_delay: Duration::from_secs(30), calibrated };
     let settings = SpeakerSettings { voice, amplifier: None, output: OutputSettings::default(), reading: Reading::default(), start };
     let engine = EngineSettings { kv_capacity: 1024, ramp: Some(vec![2]), ..EngineSettings::default() };
@@ -306,7 +312,13 @@ fn a_long_text_waits_only_at_its_segment_boundaries() {
     // 1.5 × real time, two segments of 16 frames each (the forced end applies to each)
     let times =
         Times { step: Duration::from_millis(120), prefill: Duration::from_millis(30), vocoder_per_frame: Duration::from_millis(30) };
-    let voice = Voice { language: "auto".into(), speaker: None, mode: Default::default(), seeding: Seeding::greedy() };
+    let voice = Voice {
+        language: "auto".into(),
+        speaker: None,
+        mode: Default::default(),
+        seeding: Seeding::greedy(),
+        text: Default::default(),
+    };
     let calibrated = StageRates { seconds_per_frame: 0.12, jitter: 0.1, frames_per_token: None };
     let start = StartSettings { policy: StartPolicy::PlayThrough, max_delay: Duration::from_secs(30), calibrated: Some(calibrated) };
     let reading = Reading { segment_tokens: 12, pause: Duration::from_millis(100) };

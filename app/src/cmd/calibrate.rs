@@ -102,7 +102,12 @@ fn calibrate(cfg: &Config, args: &CalibrateArgs) -> Result<(), Failure> {
     if let Some(chart) = &args.chart {
         check_chart_path(chart).map_err(|e| fail(exit::INPUT, e))?;
     }
-    let voice = crate::speaker::settings(cfg, false).voice;
+    // the calibration texts are read as they are, whatever the user's replacement rules say
+    let voice = {
+        let mut plain = cfg.clone();
+        plain.text.replacements = None;
+        crate::speaker::settings(&plain, false)?.voice
+    };
     let dir = &cfg.model.bundle;
     let bundle_ctx = |e: engine::ManifestError| fail(exit::BUNDLE, anyhow::Error::new(e).context(format!("bundle {}", dir.display())));
     let manifest = engine::read_manifest(dir).map_err(bundle_ctx)?;

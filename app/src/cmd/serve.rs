@@ -111,7 +111,7 @@ pub fn run(config: Option<&Path>, args: ServeArgs) -> Result<(), Failure> {
         }
     };
     let plays = args.out_dir.is_none();
-    let settings = crate::speaker::settings(&cfg, plays);
+    let settings = crate::speaker::settings(&cfg, plays)?;
     // The network front-ends' addresses and sockets: a bad or busy address stops here, before
     // the model loads.
     let net = Network::open(&cfg.serve, cfg.origin("serve.api_key"))?;
@@ -407,9 +407,10 @@ fn check_api_key(cfg: &ServeConfig, http: Option<SocketAddr>, origin: &str) -> a
 
 /// The keys a SIGHUP applies to the running service (docs/reliability.md "Signals"): the
 /// shaping and ALSA settings of each new output, the voice of a request that names none, the
-/// amplifier line's lead, the longest text a network request may carry, and the network
-/// servers' limits, timeouts and API key. Every other key needs a restart (the amplifier's
-/// chip, line and level: the line is held open; the addresses: the sockets are bound).
+/// text front-end (`[text]`; the replacement file is read again), the amplifier line's lead,
+/// the longest text a network request may carry, and the network servers' limits, timeouts and
+/// API key. Every other key needs a restart (the amplifier's chip, line and level: the line is
+/// held open; the addresses: the sockets are bound).
 pub const RELOADABLE: &[&str] = &[
     "audio.device",
     "audio.format",
@@ -424,6 +425,11 @@ pub const RELOADABLE: &[&str] = &[
     "synthesis.mode",
     "synthesis.sampling",
     "synthesis.seed",
+    "text.markdown",
+    "text.emoji",
+    "text.code",
+    "text.urls",
+    "text.replacements",
     "serve.max_text_chars",
     "serve.queue_length",
     "serve.max_connections",
@@ -468,11 +474,23 @@ impl Reloading {
             log::error!("SIGHUP: {e}; nothing was changed");
             return;
         }
+        // the replacement rules are read again on every SIGHUP: a bad file changes nothing
+        let settings = match crate::speaker::settings(&new, self.plays) {
+            Ok(s) => s,
+            Err(e) => {
+                log::error!("SIGHUP: {e}; nothing was changed");
+                return;
+            }
+        };
+        let Some(front) = self.slot.get() else { return };
         let mut applied = self.applied.lock().unwrap_or_else(PoisonError::into_inner);
-        let changed: Vec<&str> = RELOADABLE.iter().copied().filter(|k| applied.get(k) != new.get(k)).collect();
+        let mut changed: Vec<&str> = RELOADABLE.iter().copied().filter(|k| applied.get(k) != new.get(k)).collect();
+        // the same file with other rules in it
+        if !changed.contains(&"text.replacements") && settings.voice.text.replacements != front.live().get().voice.text.replacements {
+            changed.push("text.replacements");
+        }
         let restart: Vec<&str> = config::keys().filter(|k| !RELOADABLE.contains(k) && self.started.get(k) != new.get(k)).collect();
         if !changed.is_empty() {
-            let Some(front) = self.slot.get() else { return };
             // everything is checked before anything changes
             if let Some((_, addr)) = &self.http
                 && let Err(e) = check_api_key(&new.serve, Some(*addr), new.origin("serve.api_key"))
@@ -480,7 +498,6 @@ impl Reloading {
                 log::error!("SIGHUP: {e}; nothing was changed");
                 return;
             }
-            let settings = crate::speaker::settings(&new, self.plays);
             let voice = match front.bundle_voice(&settings.voice) {
                 Ok(v) => v,
                 Err(e) => {

@@ -162,7 +162,7 @@ fn say_what_a_second_signal_leaves(out: Option<&str>, raw: bool) {
 fn speak(cfg: &Config, text: &str, out: Option<&str>, raw: bool) -> Result<(), Failure> {
     let t0 = Instant::now();
     let plays = out.is_none() && !raw;
-    let settings = crate::speaker::settings(cfg, plays);
+    let settings = crate::speaker::settings(cfg, plays)?;
     let mut request = settings.voice.request(text);
     // test hook: cap the utterance at this many frames (the HTP simulator tests keep it short)
     if let Some(n) = std::env::var("HERALD_TEST_MAX_FRAMES").ok().and_then(|v| v.parse::<usize>().ok()) {
