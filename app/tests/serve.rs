@@ -481,7 +481,7 @@ fn a_missing_device_is_one_warning_a_503_and_each_line_tries_it_again() {
     let warning = err.wait_for("audio device 'default'", "\0", Duration::from_secs(60));
     assert!(warning.contains("WARN") && warning.contains("POST /v1/say fail until it can be opened"), "{warning}");
     let ready = err.wait_for("ready;", "\0", Duration::from_secs(300));
-    let port = ready.split("HTTP on http://").nth(1).and_then(|r| r.split([' ', ',', ')']).next()).unwrap().to_owned();
+    let port = common::ready_addr(&ready, "HTTP on http://");
     // POST /v1/say: 503, the code and the device named
     let mut s = std::net::TcpStream::connect(&port).unwrap();
     let body = r#"{"input":"Hello there."}"#;

@@ -171,8 +171,7 @@ fn sighup_reloads_the_network_limits_timeouts_and_api_key() {
     let _guard = KillOnDrop(child.id());
     let mut err = StderrTail::new(&mut child);
     let ready = err.wait_for("ready;", "\0", Duration::from_secs(300));
-    let addr = |prefix: &str| ready.split(prefix).nth(1).and_then(|r| r.split([' ', ',', ')']).next()).unwrap().to_owned();
-    let (http, wyoming) = (addr("HTTP on http://"), addr("Wyoming on tcp://"));
+    let (http, wyoming) = (common::ready_addr(&ready, "HTTP on http://"), common::ready_addr(&ready, "Wyoming on tcp://"));
     assert!(get_status(&http, "/v1/models", None).contains(" 200 "), "no key needed yet");
     // three idle connections: within max_connections = 4 and idle_timeout_s = 120
     let mut idle: Vec<TcpStream> = (0..3).map(|_| TcpStream::connect(&http).unwrap()).collect();

@@ -253,11 +253,6 @@ impl HttpReload {
         self.conns.set_max(settings.max_connections);
         self.settings.set(settings);
     }
-
-    /// The settings in effect.
-    pub fn settings(&self) -> HttpSettings {
-        self.settings.get()
-    }
 }
 
 impl HttpServer {
@@ -845,7 +840,7 @@ async fn serve_connection(
         .header_read_timeout(None)
         .serve_connection(io, service);
     let mut conn = std::pin::pin!(conn);
-    let tick = watchdog_tick(&shared.settings());
+    let tick = shared.settings.read(watchdog_tick);
     let mut shutting = false;
     loop {
         if !shutting && *closing.borrow() {
@@ -873,7 +868,7 @@ async fn serve_connection(
             }
             _ = closing.changed(), if !shutting => {}
             () = tokio::time::sleep(wait) => {
-                match state.expired(Instant::now(), &shared.settings()) {
+                match shared.settings.read(|s| state.expired(Instant::now(), s)) {
                     Some(Expired::Idle) => {
                         log::debug!("http: {peer}: idle for {:?} (serve.idle_timeout); closed", shared.settings().idle_timeout);
                         return;
@@ -1435,9 +1430,7 @@ async fn respond(
     if route == Route::Health {
         return Ok(health(shared));
     }
-    if let Some(key) = &shared.settings().api_key
-        && !bearer_ok(req.headers().get(header::AUTHORIZATION), key)
-    {
+    if !shared.settings.read(|s| s.api_key.as_ref().is_none_or(|key| bearer_ok(req.headers().get(header::AUTHORIZATION), key))) {
         let e =
             ApiError::new(StatusCode::UNAUTHORIZED, "missing or wrong API key: send 'Authorization: Bearer <serve.api_key>'".into())
                 .code("invalid_api_key");

@@ -48,6 +48,12 @@ impl<T: Clone> Reloadable<T> {
         self.0.read().unwrap_or_else(PoisonError::into_inner).clone()
     }
 
+    /// `f` of the settings now, without copying them (for a reader that looks often, such as
+    /// a connection's watchdog tick).
+    pub fn read<R>(&self, f: impl FnOnce(&T) -> R) -> R {
+        f(&self.0.read().unwrap_or_else(PoisonError::into_inner))
+    }
+
     /// Replace the settings (for the next job, request or connection on).
     pub fn set(&self, settings: T) {
         *self.0.write().unwrap_or_else(PoisonError::into_inner) = settings;

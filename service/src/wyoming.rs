@@ -100,11 +100,6 @@ impl WyomingReload {
         self.conns.set_max(settings.max_connections);
         self.settings.set(settings);
     }
-
-    /// The settings in effect.
-    pub fn settings(&self) -> WyomingSettings {
-        self.settings.get()
-    }
 }
 
 impl WyomingServer {

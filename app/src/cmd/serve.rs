@@ -493,6 +493,7 @@ impl Reloading {
         if !changed.is_empty() {
             // everything is checked before anything changes
             if let Some((_, addr)) = &self.http
+                && changed.contains(&"serve.api_key")
                 && let Err(e) = check_api_key(&new.serve, Some(*addr), new.origin("serve.api_key"))
             {
                 log::error!("SIGHUP: {e}; nothing was changed");

@@ -171,3 +171,10 @@ impl Drop for KillOnDrop {
         let _ = Command::new("kill").args(["-KILL", &self.0.to_string()]).stderr(Stdio::null()).status();
     }
 }
+
+/// The address after `prefix` (`"HTTP on http://"`, `"Wyoming on tcp://"`) in `herald serve`'s
+/// ready line.
+pub fn ready_addr(ready: &str, prefix: &str) -> String {
+    let addr = ready.split(prefix).nth(1).and_then(|r| r.split([' ', ',', ')']).next());
+    addr.unwrap_or_else(|| panic!("no {prefix} in the ready line: {ready}")).to_owned()
+}
