@@ -19,11 +19,14 @@
 //!     that the bundle does not have means the configured voice too (logged at debug level),
 //!     since integrations hard-code them. Any other unknown voice is refused with the list of
 //!     voices.
-//!   - `response_format`: `wav` (16-bit mono WAV with a streaming header: RIFF and data sizes
-//!     `0xFFFFFFFF`, since the length is not known when it starts) or `pcm` (headerless S16LE
-//!     mono at 24 kHz, the bytes of `herald speak --raw`). **Missing means `wav`**: OpenAI's
-//!     default is `mp3`, which herald does not make. `mp3`, `opus`, `aac`, `flac` and anything
-//!     else are refused (400, `param: response_format`).
+//!   - `response_format` (any case): `mp3` (`audio/mpeg`, LAME, 64 kbit/s CBR mono), `flac`
+//!     (`audio/flac`, lossless), `wav` (`audio/wav`, 16-bit mono WAV with a streaming header:
+//!     RIFF and data sizes `0xFFFFFFFF`, since the length is not known when it starts) or `pcm`
+//!     (`audio/pcm`, headerless S16LE mono at 24 kHz, the bytes of `herald speak --raw`).
+//!     **Missing means `mp3`**, OpenAI's default. mp3 and flac are encoded chunk by chunk as the
+//!     engine makes the audio ([`crate::encode`]), so they stream like the others. `opus` and
+//!     `aac` are refused (400, `param: response_format`, saying no encoder for them is built
+//!     in: [`Codec`] says why), anything else likewise as unknown.
 //!   - `speed`: only `1.0` (or missing); anything else → 400 (`param: speed`).
 //!   - `instructions`: accepted and ignored (logged at debug level).
 //!   - `stream_format`: `audio` (or missing); `sse` → 400.
