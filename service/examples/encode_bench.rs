@@ -1,4 +1,4 @@
-//! How much CPU each encoder of [`service::encode`] takes per second of audio: encodes 60 s of
+//! How much CPU each encoder of [`service::encode`] takes per second of audio: encodes 300 s of
 //! a speech-like synthetic signal (a gliding harmonic tone with noise, 24 kHz mono) in
 //! 80 ms chunks, three times per codec, and prints the fastest run's thread CPU time per second
 //! of audio (docs/performance.md). Run it on a release build:
@@ -9,20 +9,21 @@ use std::time::Duration;
 use service::encode::Codec;
 
 /// The process's user + system CPU time from /proc/self/stat (clock ticks of 10 ms, Linux's
-/// USER_HZ of 100: a 60 s run of either codec takes well over 10 ticks).
+/// USER_HZ of 100: a 300 s run of either codec takes over 40 ticks).
 fn cpu_time() -> Duration {
     let stat = std::fs::read_to_string("/proc/self/stat").unwrap_or_default();
-    // fields 14 and 15 (utime, stime) in clock ticks, after the command name in parentheses
+    // fields 14 and 15 (utime, stime) in clock ticks; after the command name in parentheses
+    // the tokens start at field 3 (the state)
     let rest = stat.rsplit_once(')').map_or("", |(_, r)| r);
-    let f: Vec<u64> = rest.split_whitespace().filter_map(|x| x.parse().ok()).collect();
-    // rest starts at field 3 (state, not a number), so utime/stime are f[10], f[11]
-    let ticks = f.get(10).copied().unwrap_or(0) + f.get(11).copied().unwrap_or(0);
+    let f: Vec<&str> = rest.split_whitespace().collect();
+    let tick = |i: usize| f.get(i).and_then(|x| x.parse::<u64>().ok()).unwrap_or(0);
+    let ticks = tick(11) + tick(12);
     Duration::from_millis(ticks * 10)
 }
 
 fn main() {
     const RATE: u32 = 24_000;
-    const SECONDS: usize = 60;
+    const SECONDS: usize = 300;
     let mut seed = 0x2545_f491_u32;
     let signal: Vec<i16> = (0..RATE as usize * SECONDS)
         .map(|i| {
