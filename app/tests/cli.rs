@@ -420,3 +420,44 @@ fn languages_and_the_default_speaker_take_the_words_of_http_and_wyoming() {
         "xx",
     );
 }
+
+/// `--out` picks the format from the extension: `.flac` decodes (ffmpeg, where installed) to
+/// the `--raw` samples, `.mp3` is MPEG-2 Layer III frames; an extension herald does not write
+/// is bad input (exit 2) naming the ones it does, and nothing is written.
+#[test]
+fn out_picks_the_format_from_the_extension() {
+    let b = bundle();
+    let bs = b.to_str().unwrap();
+    let d = tmp("formats");
+    let raw = herald(&["speak", TEXT, "--bundle", bs, "--seed", "11", "--raw"], &[], None);
+    assert!(raw.status.success(), "{}", stderr(&raw));
+    let flac = d.join("out.FLAC");
+    let o = herald(&["speak", TEXT, "--bundle", bs, "--seed", "11", "--out", flac.to_str().unwrap()], &[], None);
+    assert!(o.status.success(), "{}", stderr(&o));
+    assert_eq!(&std::fs::read(&flac).unwrap()[..4], b"fLaC");
+    let mp3 = d.join("out.mp3");
+    let o = herald(&["speak", TEXT, "--bundle", bs, "--seed", "11", "--out", mp3.to_str().unwrap()], &[], None);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let bytes = std::fs::read(&mp3).unwrap();
+    // MPEG-2 Layer III, 64 kbit/s at 24 kHz: 192-byte frames
+    assert_eq!((bytes[0], bytes[1], bytes.len() % 192), (0xFF, 0xF3, 0));
+
+    let ogg = d.join("out.ogg");
+    let o = herald(&["speak", TEXT, "--bundle", bs, "--out", ogg.to_str().unwrap()], &[], None);
+    assert_eq!(o.status.code(), Some(2), "{}", stderr(&o));
+    assert!(stderr(&o).contains("herald cannot write .ogg files; the extension must be one of .wav, .mp3, .flac"), "{}", stderr(&o));
+    assert_eq!(std::fs::read_dir(&d).unwrap().count(), 2, "a refused --out left a file");
+
+    if std::process::Command::new("ffmpeg").arg("-version").output().is_err() {
+        eprintln!("SKIPPED: no ffmpeg on PATH (scripts/prereqs installs it): the flac file was not decoded");
+        return;
+    }
+    let decoded = std::process::Command::new("ffmpeg")
+        .args(["-nostdin", "-v", "error", "-i"])
+        .arg(&flac)
+        .args(["-f", "s16le", "-ac", "1", "-ar", "24000", "-"])
+        .output()
+        .unwrap();
+    assert!(decoded.status.success(), "{}", String::from_utf8_lossy(&decoded.stderr));
+    assert!(decoded.stdout == raw.stdout, "the flac file decodes to other samples than --raw");
+}

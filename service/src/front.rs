@@ -296,6 +296,17 @@ impl Front {
     pub fn wav_sink(&self, w: impl Write + Send + 'static, target: &str) -> Box<dyn AudioSink + Send> {
         Box::new(WavSink::stream(w, target, self.live.get().output.shaper))
     }
+
+    /// A sink that encodes the audio as `codec` to `w` (`target` names it in messages), with
+    /// the live shaping settings.
+    pub fn encoded_sink(
+        &self,
+        codec: crate::encode::Codec,
+        w: impl Write + Send + 'static,
+        target: &str,
+    ) -> Box<dyn AudioSink + Send> {
+        Box::new(crate::encode::EncodedSink::new(codec, w, target, self.live.get().output.shaper))
+    }
 }
 
 /// The front once the model is loaded: front-ends start listening before (they answer

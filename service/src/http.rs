@@ -19,11 +19,14 @@
 //!     that the bundle does not have means the configured voice too (logged at debug level),
 //!     since integrations hard-code them. Any other unknown voice is refused with the list of
 //!     voices.
-//!   - `response_format`: `wav` (16-bit mono WAV with a streaming header: RIFF and data sizes
-//!     `0xFFFFFFFF`, since the length is not known when it starts) or `pcm` (headerless S16LE
-//!     mono at 24 kHz, the bytes of `herald speak --raw`). **Missing means `wav`**: OpenAI's
-//!     default is `mp3`, which herald does not make. `mp3`, `opus`, `aac`, `flac` and anything
-//!     else are refused (400, `param: response_format`).
+//!   - `response_format` (any case): `mp3` (`audio/mpeg`, LAME, 64 kbit/s CBR mono), `flac`
+//!     (`audio/flac`, lossless), `wav` (`audio/wav`, 16-bit mono WAV with a streaming header:
+//!     RIFF and data sizes `0xFFFFFFFF`, since the length is not known when it starts) or `pcm`
+//!     (`audio/pcm`, headerless S16LE mono at 24 kHz, the bytes of `herald speak --raw`).
+//!     **Missing means `mp3`**, OpenAI's default. mp3 and flac are encoded chunk by chunk as the
+//!     engine makes the audio ([`crate::encode`]), so they stream like the others. `opus` and
+//!     `aac` are refused (400, `param: response_format`, saying no encoder for them is built
+//!     in: [`Codec`] says why), anything else likewise as unknown.
 //!   - `speed`: only `1.0` (or missing); anything else → 400 (`param: speed`).
 //!   - `instructions`: accepted and ignored (logged at debug level).
 //!   - `stream_format`: `audio` (or missing); `sse` → 400.
@@ -143,6 +146,7 @@ use tokio::net::TcpStream;
 use tokio::sync::{Notify, mpsc, oneshot, watch};
 
 use crate::conns::{Activity, Closer, Member, RefusalLog, Table, Tracker};
+use crate::encode::Codec;
 use crate::front::{Front, RequestError, Slot, VoiceInfo};
 use crate::live::Reloadable;
 use crate::queue::{JobHandle, Refused};
@@ -183,7 +187,7 @@ const RETRY_AFTER_S: u32 = 1;
 /// How long a refused connection (over `max_connections`) is given to take its 503.
 const REFUSE_TIME: Duration = Duration::from_secs(1);
 /// The response formats herald makes, for messages.
-const FORMATS: &str = "wav, pcm";
+const FORMATS: &str = "mp3, flac, wav, pcm";
 /// The voices OpenAI's speech API has built in. Integrations hard-code them, so one the bundle
 /// does not have means the configured voice (logged at debug level) instead of a 400.
 pub const OPENAI_VOICES: &[&str] =
@@ -969,6 +973,8 @@ pub enum AudioFormat {
     Wav,
     /// Headerless S16LE mono at the model rate (24 kHz).
     Pcm,
+    /// An encoded format ([`Codec`]: mp3, flac).
+    Encoded(Codec),
 }
 
 impl AudioFormat {
@@ -977,21 +983,26 @@ impl AudioFormat {
         match self {
             AudioFormat::Wav => "audio/wav",
             AudioFormat::Pcm => "audio/pcm",
+            AudioFormat::Encoded(c) => c.content_type(),
         }
     }
 
-    /// `response_format` (any case): `wav` or `pcm`; missing means `wav` (herald has no mp3).
+    /// `response_format` (any case): `mp3`, `flac`, `wav` or `pcm`; missing means `mp3`, as
+    /// OpenAI's API does.
     ///
     /// # Errors
-    /// An [`ApiError`] naming `response_format` and the formats herald makes.
+    /// An [`ApiError`] naming `response_format` and the formats herald makes (`opus` and `aac`
+    /// with the reason: [`Codec`]).
     fn parse(given: Option<&str>) -> Result<AudioFormat, ApiError> {
-        let Some(given) = given else { return Ok(AudioFormat::Wav) };
+        let Some(given) = given else { return Ok(AudioFormat::Encoded(Codec::Mp3)) };
         match given.trim().to_ascii_lowercase().as_str() {
+            "mp3" => Ok(AudioFormat::Encoded(Codec::Mp3)),
+            "flac" => Ok(AudioFormat::Encoded(Codec::Flac)),
             "wav" => Ok(AudioFormat::Wav),
             "pcm" => Ok(AudioFormat::Pcm),
-            codec @ ("mp3" | "opus" | "aac" | "flac") => Err(ApiError::invalid(
+            codec @ ("opus" | "aac") => Err(ApiError::invalid(
                 Some("response_format"),
-                format!("herald does not produce {codec}; response_format must be one of: {FORMATS}"),
+                format!("herald does not produce {codec} (no encoder for it is built in); response_format must be one of: {FORMATS}"),
             )),
             _ => Err(ApiError::invalid(
                 Some("response_format"),
@@ -1581,6 +1592,7 @@ async fn speech(body: &[u8], number: u64, peer: SocketAddr, shared: &Shared, sta
     let sink = match params.format {
         AudioFormat::Wav => front.wav_sink(writer, &target),
         AudioFormat::Pcm => front.raw_sink(writer, &target),
+        AudioFormat::Encoded(codec) => front.encoded_sink(codec, writer, &target),
     };
     let began = tx.clone();
     let handle = front
@@ -1729,7 +1741,7 @@ mod tests {
     }
 
     #[test]
-    fn a_full_speech_request_parses_and_defaults_to_wav() {
+    fn a_full_speech_request_parses_and_defaults_to_mp3() {
         let p = parse_speech(br#"{"model":"tts-1","input":"Hello.","voice":"default","speed":1,"instructions":"calm","stream_format":"audio","language":"en"}"#)
             .unwrap();
         assert_eq!(
@@ -1738,24 +1750,38 @@ mod tests {
                 model: Some("tts-1".into()),
                 input: "Hello.".into(),
                 voice: Some("default".into()),
-                format: AudioFormat::Wav,
+                format: AudioFormat::Encoded(Codec::Mp3),
                 language: Some("en".into()),
                 instructions: Some("calm".into()),
             }
         );
         let p = parse_speech(br#"{"input":"x","response_format":"PCM","voice":{"id":"ryan"},"speed":1.0,"extra":[1,2]}"#).unwrap();
         assert_eq!((p.format, p.voice.as_deref(), p.model), (AudioFormat::Pcm, Some("ryan"), None));
+        for (given, format, mime) in [
+            ("mp3", AudioFormat::Encoded(Codec::Mp3), "audio/mpeg"),
+            ("Flac", AudioFormat::Encoded(Codec::Flac), "audio/flac"),
+            ("wav", AudioFormat::Wav, "audio/wav"),
+            ("pcm", AudioFormat::Pcm, "audio/pcm"),
+        ] {
+            let p = parse_speech(format!(r#"{{"input":"x","response_format":"{given}"}}"#).as_bytes()).unwrap();
+            assert_eq!((p.format, p.format.content_type()), (format, mime));
+        }
     }
 
     #[test]
     fn codecs_herald_does_not_make_are_refused_naming_the_field() {
-        for codec in ["mp3", "opus", "aac", "flac"] {
+        for codec in ["opus", "aac"] {
             let e = err(parse_speech(format!(r#"{{"input":"x","response_format":"{codec}"}}"#).as_bytes()));
             assert_eq!((e.status, e.param), (StatusCode::BAD_REQUEST, Some("response_format")));
-            assert_eq!(e.message, format!("herald does not produce {codec}; response_format must be one of: wav, pcm"));
+            assert_eq!(
+                e.message,
+                format!(
+                    "herald does not produce {codec} (no encoder for it is built in); response_format must be one of: mp3, flac, wav, pcm"
+                )
+            );
         }
         let e = err(parse_speech(br#"{"input":"x","response_format":"ogg"}"#));
-        assert_eq!(e.message, "unknown response_format \"ogg\"; response_format must be one of: wav, pcm");
+        assert_eq!(e.message, "unknown response_format \"ogg\"; response_format must be one of: mp3, flac, wav, pcm");
         let e = err(parse_speech(br#"{"input":"x","response_format":7}"#));
         assert_eq!((e.param, e.message.as_str()), (Some("response_format"), "'response_format' must be a string, not a number"));
     }
@@ -1888,11 +1914,11 @@ mod tests {
 
     #[test]
     fn errors_are_openai_shaped() {
-        let e = err(parse_speech(br#"{"input":"x","response_format":"mp3"}"#));
+        let e = err(parse_speech(br#"{"input":"x","response_format":"aac"}"#));
         let v: Value = serde_json::from_slice(&e.body()).unwrap();
         assert_eq!(
             v,
-            json!({"error": {"message": "herald does not produce mp3; response_format must be one of: wav, pcm",
+            json!({"error": {"message": "herald does not produce aac (no encoder for it is built in); response_format must be one of: mp3, flac, wav, pcm",
                 "type": "invalid_request_error", "param": "response_format", "code": null}})
         );
         let busy = ApiError::refused(&Refused::Full { job: Box::new(test_job()), capacity: 2 });
@@ -2077,7 +2103,7 @@ mod tests {
         let speech = |json: &str| {
             format!("POST /v1/audio/speech HTTP/1.1\r\nHost: x\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{json}", json.len())
         };
-        let (status, body) = exchange(a, speech(r#"{"input":"Hi.","response_format":"mp3"}"#).as_bytes());
+        let (status, body) = exchange(a, speech(r#"{"input":"Hi.","response_format":"opus"}"#).as_bytes());
         assert_eq!(status, "HTTP/1.1 400 Bad Request");
         assert!(body.contains(r#""param":"response_format""#), "{body}");
         let (status, _) = exchange(a, speech(r#"{"input":"Hi."}"#).as_bytes());

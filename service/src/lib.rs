@@ -24,6 +24,7 @@
 pub mod cancel;
 pub mod conns;
 pub mod device;
+pub mod encode;
 pub mod fifo;
 pub mod front;
 pub mod http;

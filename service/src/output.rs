@@ -5,6 +5,7 @@ use std::path::{Path, PathBuf};
 
 pub use board::fsutil::{AtomicFile, write_atomic};
 
+use crate::encode::{Codec, EncodedSink};
 use board::audio::{AlsaSettings, AlsaSink, AudioSink, RawSink, ShaperSettings, SinkError, SinkStats, WavSink};
 
 /// The settings every sink the factory makes shares: the utterance shaping, and the ALSA device.
@@ -25,6 +26,13 @@ pub enum Target {
     /// A 16-bit mono WAV file, written atomically ([`AtomicFile`]; renamed into place when the
     /// utterance finished, also after a cancel).
     File(PathBuf),
+    /// An encoded file ([`Codec`]: mp3, flac), written atomically like [`Target::File`].
+    Encoded {
+        /// The file.
+        path: PathBuf,
+        /// Its format.
+        codec: Codec,
+    },
     /// WAV to standard output (streaming header).
     WavStdout,
     /// Raw S16LE samples to standard output.
@@ -44,6 +52,7 @@ impl std::fmt::Debug for Target {
         match self {
             Target::Device => f.write_str("Device"),
             Target::File(p) => f.debug_tuple("File").field(p).finish(),
+            Target::Encoded { path, codec } => f.debug_struct("Encoded").field("path", path).field("codec", codec).finish(),
             Target::WavStdout => f.write_str("WavStdout"),
             Target::RawStdout => f.write_str("RawStdout"),
             Target::Sink { plays, .. } => f.debug_struct("Sink").field("plays", plays).finish_non_exhaustive(),
@@ -70,6 +79,7 @@ impl Target {
         Ok(match self {
             Target::Device => Box::new(AlsaSink::new(out.alsa.clone(), out.shaper)),
             Target::File(path) => Box::new(WavFile::create(&path, out.shaper)?),
+            Target::Encoded { path, codec } => Box::new(EncodedFile::create(&path, codec, out.shaper)?),
             Target::WavStdout => Box::new(WavSink::stdout(out.shaper)),
             Target::RawStdout => Box::new(RawSink::stdout(out.shaper)),
             Target::Sink { sink, .. } => sink,
@@ -133,6 +143,51 @@ impl AudioSink for WavFile {
     }
 }
 
+/// An encoded file ([`Codec`]) written through an [`AtomicFile`]: committed (renamed into
+/// place) by the first successful `finish`, removed after an abort like [`WavFile`].
+pub struct EncodedFile {
+    sink: EncodedSink,
+    file: Option<AtomicFile>,
+}
+
+impl EncodedFile {
+    /// Create the temporary file for `path` and an [`EncodedSink`] of `codec` on it.
+    ///
+    /// # Errors
+    /// [`SinkError::Io`] when the file cannot be created.
+    pub fn create(path: &Path, codec: Codec, shaper: ShaperSettings) -> Result<Self, SinkError> {
+        let target = path.display().to_string();
+        let io = |op, source| SinkError::Io { target: target.clone(), op, source };
+        let mut file = AtomicFile::create(path).map_err(|e| io("create", e))?;
+        let w = file.file_mut().try_clone().map_err(|e| io("create", e))?;
+        let sink = EncodedSink::new(codec, std::io::BufWriter::with_capacity(1 << 16, w), &target, shaper);
+        Ok(EncodedFile { sink, file: Some(file) })
+    }
+}
+
+impl AudioSink for EncodedFile {
+    fn begin(&mut self, sample_rate: u32) -> Result<(), SinkError> {
+        self.sink.begin(sample_rate)
+    }
+
+    fn write(&mut self, samples: &[f32]) -> Result<(), SinkError> {
+        self.sink.write(samples)
+    }
+
+    fn finish(&mut self) -> Result<SinkStats, SinkError> {
+        let stats = self.sink.finish()?;
+        if let Some(file) = self.file.take() {
+            let target = file.target().display().to_string();
+            file.commit().map_err(|source| SinkError::Io { target, op: "rename into place", source })?;
+        }
+        Ok(stats)
+    }
+
+    fn abort(&mut self) {
+        self.sink.abort();
+    }
+}
+
 #[cfg(test)]
 mod tests {
     #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
@@ -172,6 +227,26 @@ mod tests {
         s.abort();
         drop(s);
         assert_eq!(names(&d), ["a.wav"]);
+        std::fs::remove_dir_all(&d).unwrap();
+    }
+
+    #[test]
+    fn an_encoded_file_appears_at_finish_and_not_after_an_abort() {
+        let d = scratch("enc");
+        let p = d.join("a.flac");
+        let mut s = Target::Encoded { path: p.clone(), codec: Codec::Flac }.open(&OutputSettings::default()).unwrap();
+        s.begin(24_000).unwrap();
+        s.write(&[0.25; 480]).unwrap();
+        assert!(!p.exists());
+        s.finish().unwrap();
+        assert_eq!(&std::fs::read(&p).unwrap()[..4], b"fLaC");
+        drop(s);
+        let mut s = Target::Encoded { path: d.join("b.mp3"), codec: Codec::Mp3 }.open(&OutputSettings::default()).unwrap();
+        s.begin(24_000).unwrap();
+        s.write(&[0.25; 4800]).unwrap();
+        s.abort();
+        drop(s);
+        assert_eq!(names(&d), ["a.flac"]);
         std::fs::remove_dir_all(&d).unwrap();
     }
 }

@@ -3,8 +3,10 @@
 //! client that goes away cancels its job, also while it waits in the queue; one that takes no
 //! audio has its job cancelled and its connection closed; one that only shuts down its sending
 //! side gets all its audio; a full queue answers busy and nothing interleaves; the stop ends a
-//! stream cleanly; OpenAI's voice names mean the configured voice. (tests/net/test_http.py drives `herald serve` with the
-//! `openai` client and curl.)
+//! stream cleanly; OpenAI's voice names mean the configured voice; every format (mp3, the
+//! default, flac, wav) decodes with ffmpeg to the pcm answer's samples, within each codec's
+//! frame and SNR floor. (tests/net/test_http.py drives `herald serve` with the `openai`
+//! client and curl.)
 
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
@@ -209,8 +211,8 @@ fn speech_streams_the_raw_sinks_samples_as_they_are_made() {
     eprintln!("pcm: first byte after {first:?}, all {} bytes after {:?}", pcm.body.len(), pcm.total);
     assert!(first * 3 < pcm.total, "first byte {first:?} of {:?}", pcm.total);
 
-    // no response_format: WAV, a streaming header and the same samples
-    let wav = speech(s.addr(), &format!(r#"{{"input":"{TEXT}"}}"#));
+    // WAV: a streaming header and the same samples
+    let wav = speech(s.addr(), &format!(r#"{{"input":"{TEXT}","response_format":"wav"}}"#));
     assert_eq!((wav.status, wav.header("content-type")), (200, Some("audio/wav")));
     assert_eq!(&wav.body[..4], b"RIFF");
     assert_eq!(u32::from_le_bytes(wav.body[24..28].try_into().unwrap()), 24_000);
@@ -439,4 +441,108 @@ fn a_client_that_hangs_up_while_its_job_waits_has_it_cancelled_before_it_starts(
     eprintln!("the first job took {first_done:?}; the one after the abandoned one ended at {next_done:?}");
     // had the abandoned job run, the next one would have waited about as long again
     assert!(next_done < first_done + first_done / 2, "{next_done:?} vs {first_done:?}");
+}
+
+/// ffmpeg's decode of `bytes` to S16LE mono samples at 24 kHz (no resampling: herald's rate),
+/// or `None` when there is no ffmpeg (scripts/prereqs installs Debian's).
+fn ffmpeg_decode(bytes: &[u8], name: &str) -> Option<Vec<i16>> {
+    if Command::new("ffmpeg").arg("-version").output().is_err() {
+        return None;
+    }
+    let path = PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join(format!("formats-{}-{name}", std::process::id()));
+    std::fs::write(&path, bytes).unwrap();
+    let o = Command::new("ffmpeg")
+        .args(["-nostdin", "-v", "error", "-i"])
+        .arg(&path)
+        .args(["-f", "s16le", "-acodec", "pcm_s16le", "-ac", "1", "-ar", "24000", "-"])
+        .output()
+        .unwrap();
+    std::fs::remove_file(&path).unwrap();
+    assert!(o.status.success(), "ffmpeg on {name}: {}", String::from_utf8_lossy(&o.stderr));
+    Some(o.stdout.chunks_exact(2).map(|b| i16::from_le_bytes([b[0], b[1]])).collect())
+}
+
+/// The SNR, dB, of `decoded[delay..]` against `pcm` over `pcm`'s length (the decoded tail
+/// beyond it, padding, is not compared).
+fn snr_db(pcm: &[i16], decoded: &[i16], delay: usize) -> f64 {
+    let (mut signal, mut noise) = (0.0f64, 0.0f64);
+    for (i, &p) in pcm.iter().enumerate() {
+        let d = decoded.get(delay + i).copied().unwrap_or(0);
+        signal += f64::from(p).powi(2);
+        noise += (f64::from(p) - f64::from(d)).powi(2);
+    }
+    10.0 * (signal / noise.max(1e-9)).log10()
+}
+
+/// MPEG-2 Layer III's frame, samples (24 kHz).
+const MP3_FRAME: usize = 576;
+/// LAME's encoder delay plus the MPEG decoder's (576 + 529 samples): without a LAME tag (a
+/// stream cannot have one) ffmpeg keeps it as leading samples.
+const MP3_DELAY: usize = 1105;
+/// The mp3 SNR floor, dB. 64 kbit/s mono MP3 is a perceptual codec: it keeps what is heard,
+/// not the waveform, so a waveform SNR of speech lands around 10–20 dB, and the tiny bundle's
+/// random-weight "speech" is close to noise, which a perceptual coder approximates worst (12.3 dB
+/// measured on it with seed and text of this test). 8 dB
+/// means the decoded audio is the request's audio, in time (a wrong alignment or other audio
+/// gives about 0 dB or less), not that it is transparent.
+const MP3_SNR_FLOOR_DB: f64 = 8.0;
+
+#[test]
+fn every_format_decodes_with_ffmpeg_to_the_pcm_answers_samples() {
+    let s = serve(2);
+    let ask = |format: Option<&str>| {
+        let json = match format {
+            Some(f) => format!(r#"{{"model":"tts-1","input":"{TEXT}","voice":"default","response_format":"{f}"}}"#),
+            None => format!(r#"{{"model":"tts-1","input":"{TEXT}","voice":"default"}}"#),
+        };
+        let a = speech(s.addr(), &json);
+        assert_eq!(a.status, 200, "{format:?}: {}", a.text());
+        assert!(a.complete);
+        a
+    };
+    let pcm = ask(Some("pcm"));
+    let pcm: Vec<i16> = pcm.body.chunks_exact(2).map(|b| i16::from_le_bytes([b[0], b[1]])).collect();
+    assert!(pcm.len() > 24_000, "{} samples", pcm.len());
+
+    // no response_format means mp3, as OpenAI's API does
+    let mp3 = ask(None);
+    assert_eq!(mp3.header("content-type"), Some("audio/mpeg"));
+    // the first bytes go out long before the last, as with pcm
+    let first = mp3.first_byte.unwrap();
+    assert!(first * 3 < mp3.total, "first byte {first:?} of {:?}", mp3.total);
+    let flac = ask(Some("flac"));
+    assert_eq!(flac.header("content-type"), Some("audio/flac"));
+    let wav = ask(Some("wav"));
+
+    let Some(decoded) = ffmpeg_decode(&flac.body, "a.flac") else {
+        eprintln!("SKIPPED: no ffmpeg on PATH (scripts/prereqs installs it): the formats were not decoded");
+        return;
+    };
+    // flac is lossless: every sample, no more, no fewer
+    assert_eq!(decoded.len(), pcm.len());
+    assert!(decoded == pcm, "flac decodes to other samples");
+    let decoded = ffmpeg_decode(&wav.body, "a.wav").unwrap();
+    assert!(decoded == pcm, "wav: {} samples decoded of {}", decoded.len(), pcm.len());
+
+    // mp3: whole frames; the audio after the codec's delay, padded to a frame at the end
+    let decoded = ffmpeg_decode(&mp3.body, "a.mp3").unwrap();
+    assert_eq!(decoded.len() % MP3_FRAME, 0, "{} samples", decoded.len());
+    let frames = (pcm.len() + MP3_DELAY).div_ceil(MP3_FRAME);
+    assert!(
+        (frames..=frames + 1).contains(&(decoded.len() / MP3_FRAME)),
+        "{} samples decoded for {} (+ {MP3_DELAY} delay)",
+        decoded.len(),
+        pcm.len()
+    );
+    // the delay is the one LAME documents: no other alignment matches better
+    let best = (0..3 * MP3_FRAME).max_by(|&a, &b| snr_db(&pcm, &decoded, a).total_cmp(&snr_db(&pcm, &decoded, b))).unwrap();
+    let snr = snr_db(&pcm, &decoded, MP3_DELAY);
+    eprintln!(
+        "mp3: {} bytes, {} samples decoded for {}, best delay {best}, SNR {snr:.1} dB",
+        mp3.body.len(),
+        decoded.len(),
+        pcm.len()
+    );
+    assert_eq!(best, MP3_DELAY);
+    assert!(snr > MP3_SNR_FLOOR_DB, "mp3 SNR {snr:.1} dB");
 }

@@ -1,10 +1,12 @@
-//! `herald speak`: one text, spoken through ALSA or written as WAV / raw PCM, then exit.
+//! `herald speak`: one text, spoken through ALSA or written as WAV / MP3 / FLAC / raw PCM, then
+//! exit.
 
 use std::io::{IsTerminal, Read, Write};
 use std::path::{Path, PathBuf};
 use std::time::Instant;
 
 use engine::StopReason;
+use service::encode::Codec;
 use service::{Job, JobError, Speaker, Target};
 
 use super::{init_logging_from, load_config, rss_text};
@@ -20,7 +22,8 @@ pub struct SpeakArgs {
     /// Bundle directory (overrides model.bundle).
     #[arg(long, value_name = "DIR")]
     bundle: Option<PathBuf>,
-    /// Write a 16-bit mono WAV to FILE, or to standard output with `-` (streaming header).
+    /// Write the audio to FILE in the format its extension names (`.wav` or none: 16-bit mono
+    /// WAV; `.mp3`; `.flac`), or a WAV to standard output with `-` (streaming header).
     #[arg(long, value_name = "FILE", conflicts_with = "raw")]
     out: Option<String>,
     /// Write raw S16LE mono PCM at the model rate to standard output (no header).
@@ -131,10 +134,33 @@ fn target(out: Option<&str>, raw: bool) -> Result<Target, Failure> {
             if Path::new(path).is_dir() {
                 return Err(fail(exit::INPUT, anyhow::anyhow!("--out {path}: is a directory")));
             }
-            Target::File(PathBuf::from(path))
+            match out_format(path)? {
+                None => Target::File(PathBuf::from(path)),
+                Some(codec) => Target::Encoded { path: PathBuf::from(path), codec },
+            }
         }
         (None, false) => Target::Device,
     })
+}
+
+/// The extensions `--out` takes, for messages.
+const OUT_EXTENSIONS: &str = ".wav, .mp3, .flac";
+
+/// The format `--out FILE` asks for by its extension (any case): `None` for WAV (also a name
+/// without an extension, such as `/dev/null`, as before there were other formats), else the
+/// codec; another extension is bad input, refused before anything is written.
+fn out_format(path: &str) -> Result<Option<Codec>, Failure> {
+    let ext = Path::new(path).extension().and_then(|e| e.to_str()).map(str::to_ascii_lowercase);
+    match ext.as_deref() {
+        Some("wav") => Ok(None),
+        Some("mp3") => Ok(Some(Codec::Mp3)),
+        Some("flac") => Ok(Some(Codec::Flac)),
+        Some(other) => Err(fail(
+            exit::INPUT,
+            anyhow::anyhow!("--out {path}: herald cannot write .{other} files; the extension must be one of {OUT_EXTENSIONS}"),
+        )),
+        None => Ok(None),
+    }
 }
 
 /// Tell the signal thread what a second SIGINT/SIGTERM (exit at once) leaves behind: for
