@@ -14,9 +14,14 @@ HOMEPAGE = "https://example.invalid/herald"
 BUGTRACKER = "https://example.invalid/herald/issues"
 SECTION = "multimedia"
 # The repository's LICENSE is the Apache License 2.0 text as published by the ASF
-# (https://www.apache.org/licenses/LICENSE-2.0.txt), which Cargo.toml declares.
-LICENSE = "Apache-2.0"
-LIC_FILES_CHKSUM = "file://LICENSE;md5=3b83ef96387f14655fc854ddc3c6bd57"
+# (https://www.apache.org/licenses/LICENSE-2.0.txt), which Cargo.toml declares. The binary
+# also links LAME (the mp3 encoder, LGPL-2.0-or-later per its COPYING and source headers)
+# statically: docs/licences.md says what that asks of whoever ships the image. The LAME
+# source comes in a crate (mp3lame-sys), not in ${S}, hence oe-core's copy of the text.
+LICENSE = "Apache-2.0 & LGPL-2.0-or-later"
+# nooelint: oelint.var.licenseremotefile
+LIC_FILES_CHKSUM = "file://LICENSE;md5=3b83ef96387f14655fc854ddc3c6bd57 \
+                    file://${COMMON_LICENSE_DIR}/LGPL-2.0-or-later;md5=6d2d9952d88b50a51a5c73dc431d06c7"
 
 DEPENDS += "alsa-lib"
 
