@@ -79,6 +79,8 @@ pub const MAX_TEXT_CHARS: RangeInclusive<usize> = 1..=engine::segment::MAX_LONG_
 pub const SEGMENT_TOKENS: RangeInclusive<usize> = 8..=5000;
 /// `synthesis.segment_pause_ms`: up to 5 s.
 pub const SEGMENT_PAUSE_MS: RangeInclusive<u32> = 0..=5000;
+/// `synthesis.sentence_pause_ms`: up to 5 s, as between segments.
+pub const SENTENCE_PAUSE_MS: RangeInclusive<u32> = 0..=5000;
 /// `synthesis.max_start_delay_ms`: up to 60 s.
 pub const MAX_START_DELAY_MS: RangeInclusive<u32> = 0..=60_000;
 /// `serve.request_timeout_s`.
@@ -318,6 +320,13 @@ settings! {
         segment_tokens: usize = engine::segment::DEFAULT_SEGMENT_TOKENS, Within(SEGMENT_TOKENS);
         /// Milliseconds of silence between two segments of a long text.
         segment_pause_ms: u32 = 250, Within(SEGMENT_PAUSE_MS);
+        /// Milliseconds of silence between two sentences (Piper's `sentence_silence`). `0`:
+        /// sentences flow as the model reads them (packed into segments as above; the output is
+        /// what it was before this key existed). Above 0, each sentence is spoken on its own
+        /// and this much silence follows it, in every text: a sentence ends where a long text's
+        /// segments may end (`.` `!` `?` `;` `。` and the like, paragraphs). A pause tag in the
+        /// text (`[pause:800ms]`, [the text front-end](#pause-tags)) adds its own.
+        sentence_pause_ms: u32 = 0, Within(SENTENCE_PAUSE_MS);
         /// When playback starts on a device. `play-through`: once the audio already made plus
         /// what will be made while it plays covers the utterance (or, in a long text, the
         /// segment), predicted from the board's production rate (its calibration, then what the
@@ -364,6 +373,11 @@ settings! {
         /// then changes nothing). A relative path in a file is relative to that file's
         /// directory. Not set: no rules.
         replacements: Option<PathBuf> = None, Opt("no replacement rules", FsPath("a file"));
+        /// Pause tags in a text (`[pause]`, `[pause:0.8s]`, `[pause:800ms]`: that much silence
+        /// there, [details](#pause-tags)). `lenient`: a tag that does not parse
+        /// (`[pause:2]`, `[pause:fast]`) is read as text. `strict`: it is refused as bad
+        /// input, naming the tag (HTTP 400, a Wyoming `error`, exit 2).
+        pause_tags: TextPauseTags = TextPauseTags::Lenient, OneOf;
     }
 
     /// Compute threads, the stored calibration and the memory pools.
@@ -808,6 +822,16 @@ named! {
         Remove = "remove",
         /// Left to the model.
         Keep = "keep",
+    }
+}
+
+named! {
+    /// `text.pause_tags`: what a malformed pause tag is.
+    TextPauseTags {
+        /// Read as text.
+        Lenient = "lenient",
+        /// Refused as bad input.
+        Strict = "strict",
     }
 }
 

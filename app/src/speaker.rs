@@ -9,7 +9,7 @@ use engine::prompt::PromptMode;
 use service::text::{self, Replacements, TextError, TextOptions};
 use service::{AmpSettings, OutputSettings, Reading, Seeding, SpeakerSettings, StartSettings, Voice};
 
-use crate::config::{ActiveLevel, Config, SynthesisMode, TextCode, TextEmoji, TextMarkdown, TextUrls};
+use crate::config::{ActiveLevel, Config, SynthesisMode, TextCode, TextEmoji, TextMarkdown, TextPauseTags, TextUrls};
 
 /// The text front-end's settings from `[text]`, the replacement file read and checked.
 ///
@@ -69,7 +69,12 @@ pub fn settings(cfg: &Config, plays: bool) -> Result<SpeakerSettings, TextError>
         active_low: a.active == ActiveLevel::Low,
         lead: Duration::from_millis(a.lead_ms.into()),
     });
-    let reading = Reading { segment_tokens: s.segment_tokens, pause: Duration::from_millis(s.segment_pause_ms.into()) };
+    let reading = Reading {
+        segment_tokens: s.segment_tokens,
+        pause: Duration::from_millis(s.segment_pause_ms.into()),
+        sentence_pause: Duration::from_millis(s.sentence_pause_ms.into()),
+        strict_tags: cfg.text.pause_tags == TextPauseTags::Strict,
+    };
     let start = StartSettings {
         policy: s.start_policy.policy(),
         max_delay: Duration::from_millis(s.max_start_delay_ms.into()),

@@ -461,3 +461,30 @@ fn out_picks_the_format_from_the_extension() {
     assert!(decoded.status.success(), "{}", String::from_utf8_lossy(&decoded.stderr));
     assert!(decoded.stdout == raw.stdout, "the flac file decodes to other samples than --raw");
 }
+
+#[test]
+fn pause_tags_and_sentence_pauses_reach_the_output_and_strict_mode_refuses_a_bad_tag() {
+    let b = bundle();
+    let bs = b.to_str().unwrap();
+    let d = tmp("pauses");
+    // one seed, so that each piece is the same alone and in the whole
+    let raw = |text: &str, env: &[(&str, &str)]| {
+        let o = herald(&["speak", text, "--bundle", bs, "--seed", "11", "--raw"], env, None);
+        assert!(o.status.success(), "{text}: {}", stderr(&o));
+        o.stdout.len() / 2 // s16le
+    };
+    let (hello, world) = (raw("Hello.", &[]), raw("World.", &[]));
+    // 750 ms at 24 kHz: 18,000 samples
+    assert_eq!(raw("Hello. [pause:750ms] World.", &[]), hello + 18_000 + world);
+    assert_eq!(raw("Hello. World.", &[("HERALD_SYNTHESIS_SENTENCE_PAUSE_MS", "400")]), hello + 9_600 + world);
+    // strict: exit 2 naming the tag, nothing written
+    let out = d.join("x.wav");
+    let o = herald(
+        &["speak", "Hello [pause:2] world.", "--bundle", bs, "--out", out.to_str().unwrap()],
+        &[("HERALD_TEXT_PAUSE_TAGS", "strict")],
+        None,
+    );
+    assert_eq!(o.status.code(), Some(2), "{}", stderr(&o));
+    assert!(stderr(&o).contains("malformed pause tag \"[pause:2]\": a duration needs a unit: ms or s"), "{}", stderr(&o));
+    assert!(!out.exists(), "a refused text left a file");
+}

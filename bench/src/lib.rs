@@ -548,7 +548,7 @@ pub fn pipeline(b: &Arc<Bundle>, cfg: &BenchConfig, allocs: Option<&dyn Fn() -> 
     let chunk = engine.ramp().last().copied().unwrap_or(1);
     let planner = model::start::StartPlanner::new(frame_s, chunk, report.frames, None, 0.02, f64::INFINITY);
     let holds = model::start::replay(&report.chunk_times, planner);
-    let play_through = model::start::played(&report.chunk_times, &holds, 0.0, frame_s);
+    let play_through = model::start::played(&report.chunk_times, &holds, &[], frame_s);
     let frames = report.frames.max(1) as f64;
     let s = &report.stats;
     let wall = report.total;

@@ -25,4 +25,4 @@ pub use settings::{DEFAULT_POOL_BYTES, EngineSettings, Request, StopReason};
 
 // The model types the engine's API speaks in (a request's prompt mode, a bundle's manifest, a
 // report's playback metrics), so a caller of the engine needs no second import path for them.
-pub use model::{Manifest, ManifestError, PlaybackMetrics, backend, frame, manifest, prompt, segment, start, stats};
+pub use model::{Manifest, ManifestError, PlaybackMetrics, backend, frame, manifest, pause, prompt, segment, start, stats};

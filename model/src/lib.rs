@@ -20,6 +20,7 @@ pub mod frame;
 pub mod kv;
 pub mod manifest;
 pub mod metrics;
+pub mod pause;
 pub mod prompt;
 pub mod sampler;
 pub mod schedule;

@@ -183,6 +183,15 @@ pub enum PromptError {
         /// The bundle's speakers, comma separated (or a note that there are none).
         allowed: String,
     },
+    /// A malformed pause tag ([`crate::pause`]), refused only in strict mode
+    /// (`text.pause_tags = "strict"`); otherwise it is read as text.
+    #[error("malformed pause tag {tag:?}: {reason} (text.pause_tags = \"strict\")")]
+    PauseTag {
+        /// The tag as written, brackets included.
+        tag: String,
+        /// What is wrong with it.
+        reason: &'static str,
+    },
     /// The tokenizer failed on the text.
     #[error("tokenizing the text failed: {source}")]
     Tokenize {

@@ -300,19 +300,24 @@ impl fmt::Display for Played {
 }
 
 /// Play `chunks` (`(arrival s, frames)`, job clock) through a player that waits at `holds`
-/// (sorted by frame) and plays `silence_s` before each boundary hold but the first, each frame
-/// lasting `frame_s`. A wait shorter than [`crate::metrics::STALL_EPSILON`] is not a gap.
-pub fn played(chunks: &[(f64, usize)], holds: &[Hold], silence_s: f64, frame_s: f64) -> Played {
+/// (sorted by frame) and plays `silences_s[k]` seconds before the `k`-th boundary hold (none
+/// before the first, where the player starts; a missing entry is none), each frame lasting
+/// `frame_s`. A wait shorter than [`crate::metrics::STALL_EPSILON`] is not a gap.
+pub fn played(chunks: &[(f64, usize)], holds: &[Hold], silences_s: &[f64], frame_s: f64) -> Played {
     let mut out = Played::default();
     let mut cursor: Option<f64> = None;
     let mut frame = 0usize;
+    let mut boundaries = 0usize;
     let mut h = holds.iter().peekable();
     for &(t, n) in chunks {
         let mut wait_until = t;
         let mut boundary = false;
         while let Some(hold) = h.next_if(|x| x.at_frame <= frame) {
-            if let Some(c) = cursor.as_mut().filter(|_| hold.boundary) {
-                *c += silence_s;
+            if hold.boundary {
+                if let Some(c) = cursor.as_mut() {
+                    *c += silences_s.get(boundaries).copied().unwrap_or(0.0);
+                }
+                boundaries += 1;
             }
             wait_until = wait_until.max(hold.open);
             boundary |= hold.boundary;
@@ -419,17 +424,17 @@ mod tests {
         // 0.36-0.52 (chunk 2 at 0.3, in time), chunk 3 at 0.5 in time too: no gap
         let c = [(0.1, 2), (0.3, 2), (0.5, 2)];
         let hold = |at_frame, open, boundary| Hold { at_frame, open, boundary };
-        let p = played(&c, &[hold(0, 0.2, true)], 0.0, D);
+        let p = played(&c, &[hold(0, 0.2, true)], &[], D);
         assert_eq!((p.start, p.gaps, p.stall), (0.2, 0, 0.0));
         // started at the first chunk: 0.1-0.26, waits 0.04 for chunk 2 (0.3-0.46), 0.04 for
         // chunk 3: what PlaybackMetrics counts for an immediate start
-        let p = played(&c, &[], 0.0, D);
+        let p = played(&c, &[], &[], D);
         assert_eq!((p.start, p.gaps), (0.1, 2));
         assert!((p.stall - 0.08).abs() < 1e-9);
         assert_eq!(PlaybackMetrics::from_chunks(&c, D).stalls, 2);
         // a second segment from frame 4 held to 1.0, after 0.25 s of silence: the player is at
         // 0.2 + 0.32 + 0.25 = 0.77, waits 0.23 at the boundary
-        let p = played(&c, &[hold(0, 0.2, true), hold(4, 1.0, true)], 0.25, D);
+        let p = played(&c, &[hold(0, 0.2, true), hold(4, 1.0, true)], &[0.0, 0.25], D);
         assert_eq!(p.gaps, 0);
         assert!((p.boundary_wait - 0.23).abs() < 1e-9, "{p:?}");
     }
@@ -544,7 +549,7 @@ mod tests {
             let chunks = pipeline(0.0, 0.15, s, 0.4 * s, 2, 50);
             let planner = || StartPlanner::new(D, 2, 50, Some(s), 0.01, f64::INFINITY);
             let (start, gaps, _) = play(&chunks, planner(), 0.0);
-            let p = played(&chunks, &replay(&chunks, planner()), 0.0, D);
+            let p = played(&chunks, &replay(&chunks, planner()), &[], D);
             assert!((p.start - start).abs() < 1e-9 && p.gaps == gaps.len(), "RTF {rtf}: {p:?} vs {start} {gaps:?}");
         }
     }

@@ -7,7 +7,7 @@
 //! the [`AudioSink`] trait (shaping like the WAV and raw sinks, then encoding, then a writer).
 //!
 //! - **mp3**: LAME 3.100 through `mp3lame-encoder` (LAME's C source built by `mp3lame-sys` and
-//!   linked statically, LGPL-3.0): constant [`MP3_KBPS`] kbit/s, mono, LAME quality
+//!   linked statically; LAME is LGPL-2.0-or-later, see docs/licences.md): constant [`MP3_KBPS`] kbit/s, mono, LAME quality
 //!   [`MP3_QUALITY`], no Xing/LAME tag (it would have to be written back into the first frame,
 //!   which a stream cannot do). At 24 kHz that is MPEG-2 Layer III, 576 samples a frame. The
 //!   decoder sees LAME's encoder delay (576 + 529 samples, LAME's `ENCDELAY` + the MDCT delay,

@@ -24,7 +24,7 @@ use crate::device::{DeviceHealth, NoDevice};
 use crate::live::{Live, LiveSettings};
 use crate::output::Target;
 use crate::queue::{JobHandle, Queue, Refused};
-use crate::speaker::{Job, JobError, Speaker, Voice, check};
+use crate::speaker::{Job, JobError, Reading, Speaker, Voice, check};
 
 /// One voice a client may ask for: a speaker of the bundle and the languages it speaks.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -87,6 +87,8 @@ pub struct Front {
     languages: Vec<String>,
     model: String,
     stop: Stop,
+    /// How texts are read (pause tags, segments), for the check before a job is queued.
+    reading: Reading,
 }
 
 impl std::fmt::Debug for Front {
@@ -111,11 +113,12 @@ impl Front {
         voice.language = bundle_language(&languages, &voice.language);
         voice.speaker = bundle_speaker(&voices, voice.speaker.as_deref());
         let output = speaker.settings().output.clone();
+        let reading = speaker.settings().reading;
         let sample_rate = speaker.sample_rate();
         let stop = speaker.stop_handle().clone();
         let queue = speaker.start(settings.queue_length)?;
         let live = Live::new(LiveSettings { voice, output, max_text_chars: settings.max_text_chars, amp_lead: None });
-        Ok(Front { queue, prompter, live, device: None, sample_rate, voices, languages, model, stop })
+        Ok(Front { queue, prompter, live, device: None, sample_rate, voices, languages, model, stop, reading })
     }
 
     /// Keep track of the playback device ([`DeviceHealth`]): [`play`](Self::play) then refuses
@@ -143,7 +146,7 @@ impl Front {
         let mut voice = voice.clone();
         voice.language = bundle_language(&self.languages, &voice.language);
         voice.speaker = bundle_speaker(&self.voices, voice.speaker.as_deref());
-        match check(&self.prompter, &voice.request("Hello.")) {
+        match check(&self.prompter, &voice.request("Hello."), &Reading::default()) {
             Err(e @ (PromptError::UnknownLanguage { .. } | PromptError::UnknownSpeaker { .. })) => Err(e),
             _ => Ok(voice),
         }
@@ -211,7 +214,7 @@ impl Front {
         if let Some(l) = language.map(str::trim).filter(|l| !l.is_empty()) {
             request.language = Some(self.language_name(l));
         }
-        check(&self.prompter, &request)?;
+        check(&self.prompter, &request, &self.reading)?;
         Ok(request)
     }
 

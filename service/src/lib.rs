@@ -46,8 +46,8 @@ pub use live::{Live, LiveSettings, Reloadable};
 pub use output::{AtomicFile, OutputSettings, Target, write_atomic};
 pub use queue::{JobHandle, Outcome, Perform, Queue, Refused};
 pub use speaker::{
-    AmpSettings, DEFAULT_MAX_START_DELAY, Job, JobError, Learned, OnLearned, Preparing, Reading, Seeding, ServiceError, Speaker,
-    SpeakerSettings, Spoken, StageRates, StartSettings, Voice, check, check_in, load_engine, plan,
+    AmpSettings, DEFAULT_MAX_START_DELAY, Job, JobError, Learned, OnLearned, Piece, Preparing, Reading, Seeding, ServiceError,
+    Speaker, SpeakerSettings, Spoken, StageRates, StartSettings, Voice, check, check_in, load_engine, plan,
 };
 pub use text::{TextError, TextOptions};
 

@@ -12,6 +12,7 @@ use std::time::{Duration, Instant};
 
 use board::audio::{AudioSink, SinkError, SinkStats};
 use board::gpio::{AmpSink, LineAmplifier};
+use engine::pause::{MAX_PAUSE, TagKind};
 use engine::prompt::{PromptError, PromptMode, Prompter, clean_text};
 use engine::segment::{MAX_LONG_TEXT_CHARS, SegmentLimits};
 use engine::start::{self, Hold, StartPlanner, StartPolicy};
@@ -96,7 +97,8 @@ impl Voice {
 }
 
 /// How a long text is read ([`engine::segment`]): cut at sentence boundaries into segments that
-/// are spoken back to back into one output, with a pause between them.
+/// are spoken back to back into one output, with a pause between them; and the pauses a text
+/// asks for ([`engine::pause`]) or the configuration puts between sentences.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct Reading {
     /// Sentences are packed into one segment up to this many text tokens
@@ -104,6 +106,12 @@ pub struct Reading {
     pub segment_tokens: usize,
     /// Digital silence between two segments (`synthesis.segment_pause_ms`).
     pub pause: Duration,
+    /// Digital silence between two sentences (`synthesis.sentence_pause_ms`); zero: sentences
+    /// are packed into segments as above. Non-zero: every sentence is spoken on its own.
+    pub sentence_pause: Duration,
+    /// Whether a malformed pause tag is an error (`text.pause_tags = "strict"`) or read as
+    /// text (`lenient`).
+    pub strict_tags: bool,
 }
 
 /// Default [`Reading::segment_tokens`] ([`engine::segment::DEFAULT_SEGMENT_TOKENS`]).
@@ -114,23 +122,60 @@ pub const DEFAULT_SEGMENT_PAUSE: Duration = Duration::from_millis(250);
 
 impl Default for Reading {
     fn default() -> Self {
-        Reading { segment_tokens: DEFAULT_SEGMENT_TOKENS, pause: DEFAULT_SEGMENT_PAUSE }
+        Reading {
+            segment_tokens: DEFAULT_SEGMENT_TOKENS,
+            pause: DEFAULT_SEGMENT_PAUSE,
+            sentence_pause: Duration::ZERO,
+            strict_tags: false,
+        }
     }
 }
 
 /// Seconds of audio a long text's player may hold ahead of the speaker ([`crate::lookahead`]).
 pub const LOOKAHEAD_SECONDS: usize = 30;
 
-/// The requests `request` is spoken as, in order: itself when its text is within
-/// `limits.target_tokens` (spoken exactly as given), else one per segment
-/// ([`engine::segment::segments`] of the cleaned text), each with the request's voice, mode,
-/// seed and frame limits. Every segment is checked against the prompt layout; a segment with
-/// nothing to say (only invisible characters) is left out.
+/// One step of a job's plan ([`plan`]): a pass of the engine, or digital silence.
+#[derive(Debug, Clone)]
+pub enum Piece {
+    /// One pass of the engine over this request.
+    Speech(Request),
+    /// This much silence (a segment or sentence pause, or a pause tag).
+    Silence(Duration),
+}
+
+impl Piece {
+    /// The request of a [`Piece::Speech`].
+    pub fn speech(&self) -> Option<&Request> {
+        match self {
+            Piece::Speech(r) => Some(r),
+            Piece::Silence(_) => None,
+        }
+    }
+}
+
+/// Punctuation that a pause tag takes over when it follows the tag directly.
+const TAG_PUNCTUATION: &[char] = &['.', ',', ';', ':', '!', '?', '…', '。', '！', '？', '，', '、', '；', '：'];
+
+/// How `request` is spoken, in order: itself (one [`Piece::Speech`]) when its text is within
+/// `limits.target_tokens`, has no pause tag and `reading.sentence_pause` is zero (spoken
+/// exactly as given); else the pieces of the cleaned text:
+/// - the text between two pause tags ([`engine::pause`]) is read on its own and the tag is a
+///   [`Piece::Silence`] of its length (also at the start or the end of the text); punctuation
+///   right after a tag is dropped (`Fine [pause]. Done`: the pause stands for the full stop);
+/// - within that, one speech per segment ([`engine::segment::segments`]) with
+///   `reading.pause` between two, or, when `reading.sentence_pause` is not zero, one per
+///   sentence with that pause between two (a sentence too long for one pass is cut as a
+///   segment would be, and its cuts get the sentence pause too).
+///
+/// Each speech has the request's voice, mode, seed and frame limits and is checked against the
+/// prompt layout; a piece with nothing to say (only punctuation or invisible characters, as in
+/// `Yes [pause].`) is left out. Zero silences are left out.
 ///
 /// # Errors
-/// [`PromptError::TextTooLong`] over [`MAX_LONG_TEXT_CHARS`]; otherwise the [`PromptError`] of
-/// the text (empty, blank) or the voice (unknown language or speaker).
-pub fn plan(prompter: &Prompter, request: &Request, limits: SegmentLimits) -> Result<Vec<Request>, PromptError> {
+/// [`PromptError::TextTooLong`] over [`MAX_LONG_TEXT_CHARS`]; [`PromptError::PauseTag`] for a
+/// malformed tag when `reading.strict_tags`; otherwise the [`PromptError`] of the text (empty,
+/// blank: also a text of only pause tags) or the voice (unknown language or speaker).
+pub fn plan(prompter: &Prompter, request: &Request, limits: SegmentLimits, reading: &Reading) -> Result<Vec<Piece>, PromptError> {
     let chars = request.text.chars().count();
     if chars > MAX_LONG_TEXT_CHARS {
         return Err(PromptError::TextTooLong { chars, limit: MAX_LONG_TEXT_CHARS });
@@ -141,48 +186,96 @@ pub fn plan(prompter: &Prompter, request: &Request, limits: SegmentLimits) -> Re
         prompter.layout(&r.text, r.language.as_deref(), r.speaker.as_deref(), r.mode)?;
         if engine::prompt::has_words(&r.text) { Ok(()) } else { Err(PromptError::BlankText) }
     };
-    let text = clean_text(&request.text);
-    let ranges = engine::segment::segments(&text, limits, &mut |s| prompter.count_tokens(s));
-    if ranges.len() <= 1 {
-        layout(request)?;
-        return Ok(vec![request.clone()]);
-    }
-    let mut parts = Vec::with_capacity(ranges.len());
-    let mut first_error = None;
-    for r in ranges {
-        let part = Request { text: text[r].to_owned(), ..request.clone() };
-        match layout(&part) {
-            Ok(()) => parts.push(part),
-            Err(e @ (PromptError::BlankText | PromptError::NoTokens { .. })) => {
-                first_error.get_or_insert(e);
+    let tags = engine::pause::tags(&request.text);
+    let mut pauses = Vec::with_capacity(tags.len());
+    for tag in tags {
+        match tag.kind {
+            TagKind::Pause { duration, clamped } => {
+                if clamped {
+                    log::warn!("pause tag {:?}: longer than {:?}, clamped to it", &request.text[tag.range.clone()], MAX_PAUSE);
+                }
+                pauses.push((tag.range, duration));
             }
-            Err(e) => return Err(e),
+            TagKind::Malformed { reason } if reading.strict_tags => {
+                return Err(PromptError::PauseTag { tag: request.text[tag.range].to_owned(), reason });
+            }
+            TagKind::Malformed { .. } => {}
         }
     }
-    match first_error {
-        Some(e) if parts.is_empty() => Err(e),
-        _ => Ok(parts),
+    let sentences = SegmentLimits { target_tokens: 1, ..limits };
+    let (cut, between) = if reading.sentence_pause.is_zero() { (limits, reading.pause) } else { (sentences, reading.sentence_pause) };
+    let mut count = |s: &str| prompter.count_tokens(s);
+    if pauses.is_empty() {
+        let text = clean_text(&request.text);
+        let ranges = engine::segment::segments(&text, cut, &mut count);
+        if ranges.len() <= 1 {
+            layout(request)?;
+            return Ok(vec![Piece::Speech(request.clone())]);
+        }
     }
+    let mut pieces = Vec::new();
+    let mut first_error = None;
+    let mut speech = 0;
+    let mut read = |chunk: &str, pieces: &mut Vec<Piece>| -> Result<(), PromptError> {
+        let text = clean_text(chunk);
+        let mut spoke = false;
+        for r in engine::segment::segments(&text, cut, &mut count) {
+            let part = Request { text: text[r].to_owned(), ..request.clone() };
+            match layout(&part) {
+                Ok(()) => {
+                    if spoke && !between.is_zero() {
+                        pieces.push(Piece::Silence(between));
+                    }
+                    pieces.push(Piece::Speech(part));
+                    spoke = true;
+                    speech += 1;
+                }
+                Err(e @ (PromptError::BlankText | PromptError::NoTokens { .. })) => {
+                    first_error.get_or_insert(e);
+                }
+                Err(e) => return Err(e),
+            }
+        }
+        Ok(())
+    };
+    let mut from = 0;
+    for (range, duration) in pauses {
+        // punctuation right after the previous tag (`Fine [pause]. Done`) is the pause's:
+        // read at the start of the next words it would be a sound of its own
+        let chunk = request.text[from..range.start].trim_start().trim_start_matches(TAG_PUNCTUATION);
+        read(chunk, &mut pieces)?;
+        if !duration.is_zero() {
+            pieces.push(Piece::Silence(duration));
+        }
+        from = range.end;
+    }
+    read(request.text[from..].trim_start().trim_start_matches(TAG_PUNCTUATION), &mut pieces)?;
+    if speech == 0 {
+        return Err(first_error.unwrap_or(PromptError::BlankText));
+    }
+    Ok(pieces)
 }
 
 /// Check `request`'s text and voice against the bundle's prompt layout, before any device or
-/// model work: [`plan`] with the default [`Reading`] and KV capacity.
+/// model work: [`plan`] with `reading` and the default KV capacity.
 ///
 /// # Errors
-/// The [`PromptError`] of the text (empty, too long) or the voice (unknown language or speaker).
-pub fn check(prompter: &Prompter, request: &Request) -> Result<(), PromptError> {
-    let limits = SegmentLimits::new(DEFAULT_SEGMENT_TOKENS, EngineSettings::default().kv_capacity);
-    plan(prompter, request, limits).map(|_| ())
+/// The [`PromptError`] of the text (empty, too long, a malformed pause tag in strict mode) or
+/// the voice (unknown language or speaker).
+pub fn check(prompter: &Prompter, request: &Request, reading: &Reading) -> Result<(), PromptError> {
+    let limits = SegmentLimits::new(reading.segment_tokens, EngineSettings::default().kv_capacity);
+    plan(prompter, request, limits, reading).map(|_| ())
 }
 
-/// Check `request` against the bundle in `dir` without loading its graphs (only the tokenizer).
+/// Check `request` against the bundle in `dir` without loading its graphs (only the tokenizer),
+/// read as `reading` says.
 ///
 /// # Errors
 /// [`ServiceError::Tokenizer`] when the tokenizer cannot be loaded, [`ServiceError::Prompt`]
 /// for the request.
-pub fn check_in(dir: &Path, manifest: &Manifest, request: &Request) -> Result<(), ServiceError> {
+pub fn check_in(dir: &Path, manifest: &Manifest, request: &Request, reading: &Reading) -> Result<(), ServiceError> {
     let prompter = engine::shared_prompter(dir, manifest).map_err(|source| ServiceError::Tokenizer { dir: dir.to_owned(), source })?;
-    check(&prompter, request).map_err(ServiceError::Prompt)
+    check(&prompter, request, reading).map_err(ServiceError::Prompt)
 }
 
 /// A board's stage rates, from its stored calibration (`board::calibration::Measured`).
@@ -509,12 +602,13 @@ impl Speaker {
         self.settings.voice.request(text)
     }
 
-    /// The requests `request` is spoken as ([`plan`] with this speaker's segment limits).
+    /// The pieces `request` is spoken as ([`plan`] with this speaker's segment limits and
+    /// reading).
     ///
     /// # Errors
     /// As [`plan`].
-    pub fn plan(&self, request: &Request) -> Result<Vec<Request>, PromptError> {
-        plan(&self.engine.bundle().prompter, request, self.limits)
+    pub fn plan(&self, request: &Request) -> Result<Vec<Piece>, PromptError> {
+        plan(&self.engine.bundle().prompter, request, self.limits, &self.settings.reading)
     }
 
     /// Check that the bundle knows the voice's language and speaker (a voice it lacks would
@@ -523,7 +617,7 @@ impl Speaker {
     /// # Errors
     /// [`PromptError::UnknownLanguage`] or [`PromptError::UnknownSpeaker`].
     pub fn check_voice(&self) -> Result<(), PromptError> {
-        match check(&self.engine.bundle().prompter, &self.request("Hello.")) {
+        match check(&self.engine.bundle().prompter, &self.request("Hello."), &Reading::default()) {
             Err(e @ (PromptError::UnknownLanguage { .. } | PromptError::UnknownSpeaker { .. })) => Err(e),
             _ => Ok(()),
         }
@@ -552,7 +646,6 @@ impl Speaker {
         let sink = target.open(&self.settings.output)?;
         let rate = self.sample_rate();
         let engine = &self.engine;
-        let pause = (self.settings.reading.pause.as_secs_f64() * f64::from(rate)).round() as usize;
         let gate = (plays && self.settings.start.policy == StartPolicy::PlayThrough).then(|| Gate::new(self, Instant::now()));
         let learned = &mut self.learned;
         let play = |sink: &mut (dyn AudioSink + Send)| -> Result<Spoken, JobError> {
@@ -566,14 +659,14 @@ impl Speaker {
                 }
             };
             match (parts.as_slice(), gate) {
-                ([one], None) => {
+                ([Piece::Speech(one)], None) => {
                     let spoken = synthesize_into(engine, one, &cancel, sink, &mut beat);
                     if let Ok(Spoken { report: Some(r), .. }) = &spoken {
                         learned.add(r, engine.bundle().prompter.count_tokens(&one.text), steady_chunk(engine));
                     }
                     spoken
                 }
-                (_, gate) => read_into(engine, &parts, pause, &cancel, sink, &mut beat, gate, learned),
+                (_, gate) => read_into(engine, &parts, &cancel, sink, &mut beat, gate, learned),
             }
         };
         let result = match self.amp.take() {
@@ -796,8 +889,9 @@ fn synthesize_into(
     Ok(Spoken { report, stats })
 }
 
-/// Read the segments `parts` of one long text into `sink` (already begun), back to back with
-/// `pause` samples of silence between them, calling `beat` for every chunk, and finish the sink,
+/// Read the pieces `parts` of one text ([`plan`]) into `sink` (already begun): each speech
+/// back to back with the silences between them (rounded to whole samples), calling `beat` for
+/// every chunk, and finish the sink,
 /// also after a cancel; on an error the sink is aborted. A segment that fills the KV cache
 /// ([`StopReason::Capacity`]) ends the reading there. A player thread writes the audio from a
 /// queue of up to [`LOOKAHEAD_SECONDS`] ([`crate::lookahead::play_ahead`]), so the next
@@ -805,8 +899,7 @@ fn synthesize_into(
 #[allow(clippy::too_many_arguments)]
 fn read_into(
     engine: &Engine,
-    parts: &[Request],
-    pause: usize,
+    parts: &[Piece],
     cancel: &Cancel,
     sink: &mut (dyn AudioSink + Send),
     beat: &mut dyn FnMut(),
@@ -821,11 +914,27 @@ fn read_into(
     let frame_seconds = f64::from(m.samples_per_frame) / f64::from(m.sample_rate);
     let (read, failed) = crate::lookahead::play_ahead(sink, capacity, cancel, |feed| -> Result<Option<Report>, JobError> {
         let mut whole: Option<Report> = None;
+        // the silence before each segment's boundary hold, seconds (start::played): the first
+        // segment's is none (the player starts with it), a later one's what was queued since
+        // the previous segment
+        let mut silences: Vec<f64> = vec![0.0];
         feed.set_rate(m.sample_rate);
-        for (i, part) in parts.iter().enumerate() {
-            if i > 0 && pause > 0 && feed.silence(pause).is_err() {
-                return Ok(None);
-            }
+        let speeches = parts.iter().filter(|p| p.speech().is_some()).count();
+        let mut i = 0;
+        for piece in parts {
+            let part = match piece {
+                Piece::Speech(part) => part,
+                Piece::Silence(d) => {
+                    let n = (d.as_secs_f64() * f64::from(m.sample_rate)).round() as usize;
+                    if n > 0 && feed.silence(n).is_err() {
+                        return Ok(None);
+                    }
+                    if let Some(last) = silences.last_mut() {
+                        *last += n as f64 / f64::from(m.sample_rate);
+                    }
+                    continue;
+                }
+            };
             let tokens = engine.bundle().prompter.count_tokens(&part.text);
             let mut seg = gate.as_ref().map(|g| g.segment(i, part, tokens, engine, feed));
             let offset = t0.elapsed().as_secs_f64();
@@ -857,13 +966,14 @@ fn read_into(
                 Err(EngineError::Cancelled) => return Ok(None),
                 Err(e) => return Err(JobError::Engine(e)),
             }
-            log::info!("segment {} of {} spoken ({} characters)", i + 1, parts.len(), part.text.chars().count());
+            log::info!("segment {} of {speeches} spoken ({} characters)", i + 1, part.text.chars().count());
+            i += 1;
+            silences.push(0.0);
         }
         Ok(whole.map(|mut r| {
             r.playback = PlaybackMetrics::from_chunks(&r.chunk_times, frame_seconds);
             if gate.is_some() {
-                let silence = pause as f64 / f64::from(m.sample_rate);
-                log::info!("{} ({})", start::played(&r.chunk_times, &holds, silence, frame_seconds), StartPolicy::PlayThrough);
+                log::info!("{} ({})", start::played(&r.chunk_times, &holds, &silences, frame_seconds), StartPolicy::PlayThrough);
             }
             r
         }))

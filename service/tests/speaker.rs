@@ -11,7 +11,7 @@ use std::time::Duration;
 
 use board::audio::{AudioSink, NullSink, SampleFormat, ShaperSettings, SinkError, SinkStats};
 use engine::{EngineSettings, Request};
-use service::{Job, JobError, OutputSettings, Queue, Reading, Refused, Seeding, Speaker, SpeakerSettings, Stop, Target, Voice};
+use service::{Job, JobError, OutputSettings, Piece, Queue, Reading, Refused, Seeding, Speaker, SpeakerSettings, Stop, Target, Voice};
 
 /// The tiny bundle: from HERALD_TEST_BUNDLES (scripts/test exports it), else exported once
 /// into the target's temporary folder.
@@ -155,10 +155,14 @@ const MIXED: &str = "The first sentence is in English, and it carries the number
 fn a_long_text_is_its_segments_spoken_alone_back_to_back_with_the_pause_between() {
     let stop = Stop::new();
     let pause = Duration::from_millis(100);
-    let mut s = speaker_reading(&stop, Reading { segment_tokens: 14, pause });
+    let mut s = speaker_reading(&stop, Reading { segment_tokens: 14, pause, ..Reading::default() });
     // greedy, a few frames per segment (tiny models do not stop by themselves)
     let request = Request { seed: None, max_frames: Some(4), ..s.request(MIXED) };
-    let parts = s.plan(&request).unwrap();
+    let pieces = s.plan(&request).unwrap();
+    let gaps = pieces.iter().filter(|p| matches!(p, Piece::Silence(d) if *d == pause)).count();
+    let parts: Vec<Request> = pieces.iter().filter_map(|p| p.speech().cloned()).collect();
+    assert_eq!(pieces.len(), 2 * parts.len() - 1, "speech, pause, speech, ...");
+    assert_eq!(gaps, parts.len() - 1);
     let texts: Vec<&str> = parts.iter().map(|p| p.text.as_str()).collect();
     assert!(parts.len() >= 5, "{texts:?}");
     assert!(texts.iter().any(|t| t.contains("45.6")) && texts.iter().any(|t| t.contains("Mr. Smith")), "{texts:?}");
@@ -186,7 +190,7 @@ fn a_long_text_is_its_segments_spoken_alone_back_to_back_with_the_pause_between(
 #[test]
 fn a_cancel_stops_a_long_text_between_or_inside_segments() {
     let stop = Stop::new();
-    let mut s = speaker_reading(&stop, Reading { segment_tokens: 14, pause: Duration::from_millis(50) });
+    let mut s = speaker_reading(&stop, Reading { segment_tokens: 14, pause: Duration::from_millis(50), ..Reading::default() });
     let request = Request { seed: None, max_frames: Some(4), ..s.request(&MIXED.repeat(5)) };
     assert!(s.plan(&request).unwrap().len() > 20);
     let chunks = Arc::new(AtomicUsize::new(0));
@@ -217,7 +221,7 @@ fn texts_over_the_long_text_limit_are_refused_with_the_limit() {
     let parts = s.plan(&s.request(&at)).unwrap();
     assert!(parts.len() > 100);
     let max = engine::segment::max_segment_tokens(1024);
-    assert!(parts.iter().all(|p| s.engine().bundle().prompter.count_tokens(&p.text) <= max));
+    assert!(parts.iter().filter_map(Piece::speech).all(|p| s.engine().bundle().prompter.count_tokens(&p.text) <= max));
     // no letter or digit in any script: nothing to say (the layout alone would take it)
     // and a text with nothing left once read (only emoji, only code) is refused the same way
     for blank in ["?!...,;:", "。！？", " -- ", "🎉🎉 👍🏽", "```\nls -la\n```"] {
@@ -226,4 +230,99 @@ fn texts_over_the_long_text_limit_are_refused_with_the_limit() {
         assert!(e.to_string().contains("nothing to say"), "{e}");
     }
     assert_eq!(s.plan(&s.request("?!a")).unwrap().len(), 1);
+}
+
+/// The PCM of each speech of `pieces` spoken alone, with the silences as zeros: what the whole
+/// must be, sample for sample.
+fn pieces_alone(s: &mut Speaker, pieces: &[Piece]) -> Vec<f32> {
+    let mut want = Vec::new();
+    for p in pieces {
+        match p {
+            Piece::Speech(r) => {
+                let alone = Speaker::plan(s, r).unwrap();
+                assert!(matches!(alone.as_slice(), [Piece::Speech(_)]), "one pass alone: {:?}", r.text);
+                want.extend(capture(s, r.clone()).0);
+            }
+            // at 24 kHz every millisecond is 24 samples
+            Piece::Silence(d) => want.extend(std::iter::repeat_n(0.0f32, d.as_millis() as usize * 24)),
+        }
+    }
+    want
+}
+
+fn texts(pieces: &[Piece]) -> Vec<String> {
+    pieces
+        .iter()
+        .map(|p| match p {
+            Piece::Speech(r) => r.text.clone(),
+            Piece::Silence(d) => format!("<{}ms>", d.as_millis()),
+        })
+        .collect()
+}
+
+#[test]
+fn pause_tags_are_exact_silences_between_the_words_around_them() {
+    let stop = Stop::new();
+    let mut s = speaker(&stop);
+    let text = "[pause:0.25s]Hello there. [pause:800ms] How are you?[PAUSE] Fine [pause:12s]. Done [pause:2]";
+    let request = Request { seed: None, max_frames: Some(3), ..s.request(text) };
+    let pieces = s.plan(&request).unwrap();
+    // the clamped 12 s tag is the maximum; the malformed [pause:2] is read as text (lenient)
+    assert_eq!(
+        texts(&pieces),
+        ["<250ms>", "Hello there.", "<800ms>", "How are you?", "<500ms>", "Fine", "<10000ms>", "Done [pause:2]"]
+    );
+    let (whole, frames) = capture(&mut s, request);
+    let want = pieces_alone(&mut s, &pieces);
+    assert_eq!(frames, 4 * 3, "four speeches of three frames");
+    assert_eq!(whole.len(), 4 * 3 * 1920 + (250 + 800 + 500 + 10_000) * 24);
+    assert!(whole == want, "the speeches alone and the silences, sample for sample");
+    // a text of only tags (or tags and punctuation) has nothing to say
+    for blank in ["[pause]", "[pause:1s] . [pause]"] {
+        let e = s.plan(&s.request(blank)).unwrap_err();
+        assert!(matches!(e, engine::prompt::PromptError::BlankText), "{blank:?}: {e}");
+    }
+}
+
+#[test]
+fn a_malformed_pause_tag_is_an_error_only_in_strict_mode() {
+    let stop = Stop::new();
+    let strict = speaker_reading(&stop, Reading { strict_tags: true, ..Reading::default() });
+    for (text, tag) in
+        [("Wait [pause:2] here.", "[pause:2]"), ("Wait [pause:soon] here.", "[pause:soon]"), ("[pause 1s]x", "[pause 1s]")]
+    {
+        let e = strict.plan(&strict.request(text)).unwrap_err();
+        assert!(matches!(&e, engine::prompt::PromptError::PauseTag { tag: t, .. } if t == tag), "{text}: {e:?}");
+        let msg = e.to_string();
+        assert!(msg.contains(tag) && msg.contains("strict"), "{msg}");
+    }
+    // well-formed tags and words in brackets are fine in strict mode too
+    let ok = strict.plan(&strict.request("Wait [pause:2s] here [paused]. [Pause for thought]")).unwrap();
+    assert_eq!(texts(&ok), ["Wait", "<2000ms>", "here [paused]. [Pause for thought]"]);
+    // lenient (the default): the same text is read as it is, in one pass
+    let lenient = speaker(&stop);
+    let pieces = lenient.plan(&lenient.request("Wait [pause:2] here.")).unwrap();
+    assert_eq!(texts(&pieces), ["Wait [pause:2] here."]);
+}
+
+#[test]
+fn a_sentence_pause_puts_exact_silence_after_every_sentence() {
+    let stop = Stop::new();
+    let reading = Reading { sentence_pause: Duration::from_millis(300), ..Reading::default() };
+    let mut s = speaker_reading(&stop, reading);
+    let request =
+        Request { seed: None, max_frames: Some(3), ..s.request("One is here. Two, Mr. Smith! Three 4.5?\n\nFour [pause:1s] five.") };
+    let pieces = s.plan(&request).unwrap();
+    assert_eq!(
+        texts(&pieces),
+        ["One is here.", "<300ms>", "Two, Mr. Smith!", "<300ms>", "Three 4.5?", "<300ms>", "Four", "<1000ms>", "five."]
+    );
+    let (whole, _) = capture(&mut s, request);
+    let want = pieces_alone(&mut s, &pieces);
+    assert_eq!(whole.len(), 5 * 3 * 1920 + (3 * 300 + 1000) * 24);
+    assert!(whole == want, "the sentences alone and the pauses, sample for sample");
+    // one sentence: spoken as it is, as without the key
+    let one = s.request("Just this one.");
+    let pieces = s.plan(&one).unwrap();
+    assert!(matches!(pieces.as_slice(), [Piece::Speech(r)] if r.text == one.text));
 }

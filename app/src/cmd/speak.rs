@@ -228,7 +228,7 @@ fn speak(cfg: &Config, text: &str, out: Option<&str>, raw: bool) -> Result<(), F
             .map_err(|e| fail(exit::BUG, anyhow::anyhow!("cannot start the bundle loader thread: {e}")))?
     };
     // Check the text and the voice before touching the device.
-    service::check_in(dir, &manifest, &request)?;
+    service::check_in(dir, &manifest, &request, &settings.reading)?;
     let sink = target(out, raw)?.open(&settings.output).map_err(|e| fail(exit::sink_code(&e), e))?;
     say_what_a_second_signal_leaves(out, raw);
     // The amplifier line (only when playing): a missing chip or line stops here.

@@ -137,6 +137,13 @@ mod tests {
     }
 
     #[test]
+    fn pause_tags_pass_through_plain_text_and_markdown() {
+        assert_eq!(default("Hello [pause:0.8s] world."), "Hello [pause:0.8s] world.");
+        assert_eq!(default("**Hello** [pause] world, [pause:800ms] *again*."), "Hello [pause] world, [pause:800ms] again.");
+        assert_eq!(default("# Title\n\n- one [pause:1s]\n- two"), "Title.\n\none [pause:1s].\ntwo.");
+    }
+
+    #[test]
     fn plain_text_is_left_as_it_is() {
         for s in ["Hello, world.", "The kitchen light is on. It is 21.5 °C inside.", "你好，世界。", "Mr. Smith arrives at 3 p.m."]
         {
