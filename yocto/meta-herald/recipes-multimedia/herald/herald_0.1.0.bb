@@ -15,13 +15,14 @@ BUGTRACKER = "https://example.invalid/herald/issues"
 SECTION = "multimedia"
 # The repository's LICENSE is the Apache License 2.0 text as published by the ASF
 # (https://www.apache.org/licenses/LICENSE-2.0.txt), which Cargo.toml declares. The binary
-# also links LAME (the mp3 encoder, LGPL-2.0-or-later per its COPYING and source headers)
-# statically: docs/licences.md says what that asks of whoever ships the image. The LAME
-# source comes in a crate (mp3lame-sys), not in ${S}, hence oe-core's copy of the text.
-LICENSE = "Apache-2.0 & LGPL-2.0-or-later"
-# nooelint: oelint.var.licenseremotefile
+# also links LAME (the mp3 encoder, LGPL-2.0-or-later per its COPYING and source headers) and
+# its Rust bindings mp3lame-sys and mp3lame-encoder (LGPL-3.0 per their crate metadata)
+# statically: docs/licences.md says what that asks of whoever ships the image. Their source
+# comes in crates, not in ${S}, hence oe-core's copies of the texts.
+LICENSE = "Apache-2.0 & LGPL-2.0-or-later & LGPL-3.0-only"
 LIC_FILES_CHKSUM = "file://LICENSE;md5=3b83ef96387f14655fc854ddc3c6bd57 \
-                    file://${COMMON_LICENSE_DIR}/LGPL-2.0-or-later;md5=6d2d9952d88b50a51a5c73dc431d06c7"
+                    file://${COMMON_LICENSE_DIR}/LGPL-2.0-or-later;md5=6d2d9952d88b50a51a5c73dc431d06c7 \
+                    file://${COMMON_LICENSE_DIR}/LGPL-3.0-only;md5=bfccfe952269fff2b407dd11f2f3083b"
 
 DEPENDS += "alsa-lib"
 
