@@ -79,6 +79,8 @@ pub const MAX_TEXT_CHARS: RangeInclusive<usize> = 1..=engine::segment::MAX_LONG_
 pub const SEGMENT_TOKENS: RangeInclusive<usize> = 8..=5000;
 /// `synthesis.segment_pause_ms`: up to 5 s.
 pub const SEGMENT_PAUSE_MS: RangeInclusive<u32> = 0..=5000;
+/// `synthesis.speed`: OpenAI's range (also WSOLA's, `service::stretch`).
+pub const SPEED: RangeInclusive<f64> = 0.25..=4.0;
 /// `synthesis.sentence_pause_ms`: up to 5 s, as between segments.
 pub const SENTENCE_PAUSE_MS: RangeInclusive<u32> = 0..=5000;
 /// `synthesis.max_start_delay_ms`: up to 60 s.
@@ -318,6 +320,12 @@ settings! {
         /// is spoken in one pass. No segment is longer than what `kv_capacity` can hold
         /// (`(kv_capacity - 56) / 11` tokens: 367 at 4096), whatever this says.
         segment_tokens: usize = engine::segment::DEFAULT_SEGMENT_TOKENS, Within(SEGMENT_TOKENS);
+        /// Speaking speed: `1.0` as the model speaks, `2.0` twice as fast, `0.5` half as fast
+        /// (0.25 to 4.0, OpenAI's range), with the pitch kept: a time stretch (WSOLA) of the
+        /// audio as it is made, about 45 ms held back. HTTP's `speed` overrides it per request.
+        /// At `1.0` the audio is untouched. The start policy plans as for `1.0`: above it a
+        /// board must be that much faster than real time not to pause.
+        speed: f64 = 1.0, Within(SPEED), cli speed, flag "--speed";
         /// Milliseconds of silence between two segments of a long text.
         segment_pause_ms: u32 = 250, Within(SEGMENT_PAUSE_MS);
         /// Milliseconds of silence between two sentences (Piper's `sentence_silence`). `0`:

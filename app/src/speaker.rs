@@ -61,6 +61,7 @@ pub fn settings(cfg: &Config, plays: bool) -> Result<SpeakerSettings, TextError>
             move || s.utterance_seed()
         }),
         text: text_options(cfg)?,
+        speed: s.speed as f32,
     };
     let a = &cfg.amplifier;
     let amplifier = a.chip.as_ref().filter(|_| plays).map(|chip| AmpSettings {

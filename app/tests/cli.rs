@@ -463,7 +463,7 @@ fn out_picks_the_format_from_the_extension() {
 }
 
 #[test]
-fn pause_tags_and_sentence_pauses_reach_the_output_and_strict_mode_refuses_a_bad_tag() {
+fn pauses_and_speed_reach_the_output_and_strict_mode_refuses_a_bad_tag() {
     let b = bundle();
     let bs = b.to_str().unwrap();
     let d = tmp("pauses");
@@ -477,6 +477,14 @@ fn pause_tags_and_sentence_pauses_reach_the_output_and_strict_mode_refuses_a_bad
     // 750 ms at 24 kHz: 18,000 samples
     assert_eq!(raw("Hello. [pause:750ms] World.", &[]), hello + 18_000 + world);
     assert_eq!(raw("Hello. World.", &[("HERALD_SYNTHESIS_SENTENCE_PAUSE_MS", "400")]), hello + 9_600 + world);
+    // --speed (and synthesis.speed): exactly round(n / speed) samples; out of range is exit 2
+    let o = herald(&["speak", "Hello.", "--bundle", bs, "--seed", "11", "--raw", "--speed", "2"], &[], None);
+    assert!(o.status.success(), "{}", stderr(&o));
+    assert_eq!(o.stdout.len() / 2, hello.div_ceil(2), "--speed 2: round(n / 2), a half rounded up");
+    assert_eq!(raw("Hello.", &[("HERALD_SYNTHESIS_SPEED", "0.5")]), 2 * hello);
+    let o = herald(&["speak", "Hello.", "--bundle", bs, "--raw", "--speed", "5"], &[], None);
+    assert_eq!(o.status.code(), Some(2), "{}", stderr(&o));
+    assert!(stderr(&o).contains("synthesis.speed = 5"), "{}", stderr(&o));
     // strict: exit 2 naming the tag, nothing written
     let out = d.join("x.wav");
     let o = herald(

@@ -344,7 +344,7 @@ fn speak_line(queue: &Queue, settings: &FifoSettings, heartbeat: &Heartbeat, sto
     let plays = target.plays();
     let chars = text.chars().count();
     let hb = heartbeat.clone();
-    let mut job = Job::new(live.voice.request(text), target);
+    let mut job = Job::new(live.voice.request(text), target).speed(live.voice.speed);
     if let Some(lead) = live.amp_lead {
         job = job.amp_lead(lead);
     }

@@ -243,8 +243,9 @@ impl Front {
     }
 
     /// Queue `request` with its audio going into `sink` (not begun; the speaker begins it at
-    /// the model rate), calling `on_begin` just before synthesis starts. Refused at once when
-    /// the queue is full or stopping.
+    /// the model rate) at `speed` (`None`: the configured `synthesis.speed`), calling
+    /// `on_begin` just before synthesis starts. Refused at once when the queue is full or
+    /// stopping.
     ///
     /// # Errors
     /// [`Refused`] (the job comes back in it).
@@ -252,20 +253,23 @@ impl Front {
         &self,
         request: Request,
         sink: Box<dyn AudioSink + Send>,
+        speed: Option<f32>,
         on_begin: impl FnOnce(&Request) + Send + 'static,
     ) -> Result<JobHandle, Refused> {
-        self.queue.try_submit(Job::new(request, Target::Sink { sink, plays: false }).on_begin(on_begin))
+        let speed = speed.unwrap_or_else(|| self.live.get().voice.speed);
+        self.queue.try_submit(Job::new(request, Target::Sink { sink, plays: false }).speed(speed).on_begin(on_begin))
     }
 
     /// Queue `request` to be played on the device's own output (ALSA, with the amplifier line
-    /// around it). Refused at once when the queue is full or stopping.
+    /// around it) at `speed` (`None`: the configured `synthesis.speed`). Refused at once when
+    /// the queue is full or stopping.
     ///
     /// # Errors
     /// [`Refused`].
-    pub fn play(&self, request: Request) -> Result<JobHandle, Refused> {
+    pub fn play(&self, request: Request, speed: Option<f32>) -> Result<JobHandle, Refused> {
         let live = self.live.get();
         let sink: Box<dyn AudioSink + Send> = Box::new(AlsaSink::new(live.output.alsa, live.output.shaper));
-        let job = Job::new(request, Target::Sink { sink, plays: true });
+        let job = Job::new(request, Target::Sink { sink, plays: true }).speed(speed.unwrap_or(live.voice.speed));
         self.queue.try_submit(match live.amp_lead {
             Some(lead) => job.amp_lead(lead),
             None => job,

@@ -27,7 +27,9 @@
 //!     engine makes the audio ([`crate::encode`]), so they stream like the others. `opus` and
 //!     `aac` are refused (400, `param: response_format`, saying no encoder for them is built
 //!     in: [`Codec`] says why), anything else likewise as unknown.
-//!   - `speed`: only `1.0` (or missing); anything else → 400 (`param: speed`).
+//!   - `speed`: 0.25 to 4.0 (OpenAI's range; missing or `null`: the configured
+//!     `synthesis.speed`), a pitch-preserving time stretch of the audio as it streams
+//!     ([`crate::stretch`]): 2.0 is half as long; anything else → 400 (`param: speed`).
 //!   - `instructions`: accepted and ignored (logged at debug level).
 //!   - `stream_format`: `audio` (or missing); `sse` → 400.
 //!   - `language` (herald's extension): `auto`, a bundle language or an ISO 639-1 code / BCP 47
@@ -54,7 +56,7 @@
 //!   reset and its job is cancelled before it starts; one that only half-closed waits for its
 //!   audio (should that job then fail before its audio, the transfer is cut instead of
 //!   answered with an error status).
-//! - `POST /v1/say` — JSON `{input, voice?, language?}`: plays on the device's own output and
+//! - `POST /v1/say` — JSON `{input, voice?, language?, speed?}`: plays on the device's own output and
 //!   answers when the job has ended: `200 {"spoken": true, "samples": n, "sample_rate": 24000}`
 //!   (`spoken: false` when the stop cut it short; `samples` at the model rate), or an error
 //!   (503 `audio_device_unavailable` naming the device while it cannot be opened, 500 for
@@ -1021,6 +1023,8 @@ struct SpeechParams {
     format: AudioFormat,
     language: Option<String>,
     instructions: Option<String>,
+    /// `speed`, 0.25..=4.0; `None`: the configured `synthesis.speed`.
+    speed: Option<f32>,
 }
 
 /// A `POST /v1/say` request.
@@ -1029,6 +1033,8 @@ struct SayParams {
     input: String,
     voice: Option<String>,
     language: Option<String>,
+    /// `speed`, as in [`SpeechParams`].
+    speed: Option<f32>,
 }
 
 /// The body as a JSON object (serde_json's recursion limit bounds its nesting).
@@ -1078,28 +1084,29 @@ fn voice_field(map: &Map<String, Value>) -> Result<Option<String>, ApiError> {
     }
 }
 
+/// `speed`: a number from 0.25 to 4.0 (OpenAI's range), or missing / `null`.
+fn speed_field(map: &Map<String, Value>) -> Result<Option<f32>, ApiError> {
+    let (min, max) = (crate::stretch::MIN_SPEED, crate::stretch::MAX_SPEED);
+    match map.get("speed") {
+        None | Some(Value::Null) => Ok(None),
+        Some(Value::Number(n)) => match n.as_f64() {
+            Some(v) if (f64::from(min)..=f64::from(max)).contains(&v) => Ok(Some(v as f32)),
+            _ => Err(ApiError::invalid(Some("speed"), format!("speed {n} is out of range; allowed: {min:.2} to {max:.1}"))),
+        },
+        Some(other) => Err(ApiError::invalid(
+            Some("speed"),
+            format!("'speed' must be a number from {min:.2} to {max:.1}, not {}", type_name(other)),
+        )),
+    }
+}
+
 fn parse_speech(body: &[u8]) -> Result<SpeechParams, ApiError> {
     let map = json_object(body)?;
     let input = required_string(&map, "input")?;
     let model = string_field(&map, "model")?;
     let voice = voice_field(&map)?;
     let format = AudioFormat::parse(string_field(&map, "response_format")?.as_deref())?;
-    match map.get("speed") {
-        None | Some(Value::Null) => {}
-        Some(Value::Number(n)) if n.as_f64() == Some(1.0) => {}
-        Some(Value::Number(n)) => {
-            return Err(ApiError::invalid(
-                Some("speed"),
-                format!("speed {n} is not supported; herald speaks at speed 1.0 only (allowed: 1.0)"),
-            ));
-        }
-        Some(other) => {
-            return Err(ApiError::invalid(
-                Some("speed"),
-                format!("'speed' must be a number (allowed: 1.0), not {}", type_name(other)),
-            ));
-        }
-    }
+    let speed = speed_field(&map)?;
     if let Some(f) = string_field(&map, "stream_format")?
         && !f.trim().eq_ignore_ascii_case("audio")
     {
@@ -1107,7 +1114,7 @@ fn parse_speech(body: &[u8]) -> Result<SpeechParams, ApiError> {
     }
     let instructions = string_field(&map, "instructions")?;
     let language = string_field(&map, "language")?;
-    Ok(SpeechParams { model, input, voice, format, language, instructions })
+    Ok(SpeechParams { model, input, voice, format, language, instructions, speed })
 }
 
 /// A request body parsed as the route `path` (`/v1/audio/speech` or `/v1/say`) parses it, for
@@ -1132,7 +1139,12 @@ pub fn fuzz_body(path: &str, body: &[u8]) -> Result<(), (u16, String)> {
 
 fn parse_say(body: &[u8]) -> Result<SayParams, ApiError> {
     let map = json_object(body)?;
-    Ok(SayParams { input: required_string(&map, "input")?, voice: voice_field(&map)?, language: string_field(&map, "language")? })
+    Ok(SayParams {
+        input: required_string(&map, "input")?,
+        voice: voice_field(&map)?,
+        language: string_field(&map, "language")?,
+        speed: speed_field(&map)?,
+    })
 }
 
 /// An answer in OpenAI's error shape.
@@ -1596,7 +1608,7 @@ async fn speech(body: &[u8], number: u64, peer: SocketAddr, shared: &Shared, sta
     };
     let began = tx.clone();
     let handle = front
-        .submit(request, sink, move |_| {
+        .submit(request, sink, params.speed, move |_| {
             log::debug!("http: request {number}: speaking {chars} characters");
             // the channel is empty but for the WAV header at this point; a full one only
             // loses the early head, and the audio makes the response anyway
@@ -1712,7 +1724,7 @@ async fn say(body: &[u8], number: u64, peer: SocketAddr, shared: &Shared) -> Res
         }
         let _ = done.send(outcome);
     })?;
-    let handle = front.play(request).map_err(|r| ApiError::refused(&r))?;
+    let handle = front.play(request, params.speed).map_err(|r| ApiError::refused(&r))?;
     log::debug!("http: request {number} from {peer}: say {} characters on the device", params.input.chars().count());
     hand_over(&waiter, handle)?;
     match outcome.await {
@@ -1753,6 +1765,7 @@ mod tests {
                 format: AudioFormat::Encoded(Codec::Mp3),
                 language: Some("en".into()),
                 instructions: Some("calm".into()),
+                speed: Some(1.0),
             }
         );
         let p = parse_speech(br#"{"input":"x","response_format":"PCM","voice":{"id":"ryan"},"speed":1.0,"extra":[1,2]}"#).unwrap();
@@ -1787,13 +1800,22 @@ mod tests {
     }
 
     #[test]
-    fn only_speed_one_is_accepted() {
-        let e = err(parse_speech(br#"{"input":"x","speed":2.0}"#));
-        assert_eq!((e.status, e.param), (StatusCode::BAD_REQUEST, Some("speed")));
-        assert_eq!(e.message, "speed 2.0 is not supported; herald speaks at speed 1.0 only (allowed: 1.0)");
+    fn speed_is_a_number_from_a_quarter_to_four() {
+        for (given, want) in [("0.25", 0.25f32), ("1", 1.0), ("1.5", 1.5), ("4", 4.0), ("4.0", 4.0)] {
+            let p = parse_speech(format!(r#"{{"input":"x","speed":{given}}}"#).as_bytes()).unwrap();
+            assert_eq!(p.speed, Some(want), "{given}");
+        }
+        assert_eq!(parse_speech(br#"{"input":"x","speed":null}"#).unwrap().speed, None);
+        assert_eq!(parse_speech(br#"{"input":"x"}"#).unwrap().speed, None);
+        for given in ["0.2", "4.01", "0", "-1", "1e9"] {
+            let e = err(parse_speech(format!(r#"{{"input":"x","speed":{given}}}"#).as_bytes()));
+            assert_eq!((e.status, e.param), (StatusCode::BAD_REQUEST, Some("speed")), "{given}");
+            assert_eq!(e.message, format!("speed {given} is out of range; allowed: 0.25 to 4.0"));
+        }
         let e = err(parse_speech(br#"{"input":"x","speed":"fast"}"#));
-        assert_eq!(e.message, "'speed' must be a number (allowed: 1.0), not a string");
-        assert!(parse_speech(br#"{"input":"x","speed":null}"#).is_ok());
+        assert_eq!(e.message, "'speed' must be a number from 0.25 to 4.0, not a string");
+        assert_eq!(parse_say(br#"{"input":"x","speed":0.5}"#).unwrap().speed, Some(0.5));
+        assert_eq!(parse_say(br#"{"input":"x","speed":5}"#).expect_err("refused").param, Some("speed"));
     }
 
     #[test]
@@ -1832,7 +1854,7 @@ mod tests {
     #[test]
     fn say_takes_input_voice_and_language() {
         let p = parse_say(br#"{"input":"Dinner is ready.","language":"english"}"#).unwrap();
-        assert_eq!(p, SayParams { input: "Dinner is ready.".into(), voice: None, language: Some("english".into()) });
+        assert_eq!(p, SayParams { input: "Dinner is ready.".into(), voice: None, language: Some("english".into()), speed: None });
         assert_eq!(parse_say(b"{}").unwrap_err().param, Some("input"));
     }
 

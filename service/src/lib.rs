@@ -35,6 +35,7 @@ pub mod notify;
 pub mod output;
 pub mod queue;
 pub mod speaker;
+pub mod stretch;
 pub mod text;
 pub mod wyoming;
 pub mod zeroconf;

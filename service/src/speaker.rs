@@ -70,6 +70,9 @@ pub struct Voice {
     pub seeding: Seeding,
     /// The text front-end's settings (`[text]`): markdown, emoji, URLs, replacement rules.
     pub text: TextOptions,
+    /// Speaking speed (`synthesis.speed`): 1.0 as the model speaks, 2.0 twice as fast, pitch
+    /// kept ([`crate::stretch`]); a job may ask for its own ([`Job::speed`]).
+    pub speed: f32,
 }
 
 impl Voice {
@@ -497,6 +500,8 @@ pub struct Job {
     on_chunk: Option<OnChunk>,
     /// The amplifier's lead for this job (a reloaded `amplifier.lead_ms`); `None`: as it is.
     amp_lead: Option<Duration>,
+    /// The job's speaking speed; `None`: the speaker's voice's ([`Voice::speed`]).
+    speed: Option<f32>,
 }
 
 impl std::fmt::Debug for Job {
@@ -508,7 +513,14 @@ impl std::fmt::Debug for Job {
 impl Job {
     /// A job speaking `request` into `target`.
     pub fn new(request: Request, target: Target) -> Self {
-        Job { request, target, cancel: Cancel::new(), on_begin: None, on_chunk: None, amp_lead: None }
+        Job { request, target, cancel: Cancel::new(), on_begin: None, on_chunk: None, amp_lead: None, speed: None }
+    }
+
+    /// Speak this job at `speed` (0.25..=4.0, pitch kept: [`crate::stretch`]) instead of the
+    /// speaker's voice's.
+    pub fn speed(mut self, speed: f32) -> Self {
+        self.speed = Some(speed);
+        self
     }
 
     /// Enable the amplifier line `lead` before this job's first sample (and every later job's,
@@ -631,7 +643,7 @@ impl Speaker {
     /// # Errors
     /// [`JobError`]; the speaker stays usable.
     pub fn speak(&mut self, job: Job) -> Result<Spoken, JobError> {
-        let Job { request, target, cancel, on_begin, mut on_chunk, amp_lead } = job;
+        let Job { request, target, cancel, on_begin, mut on_chunk, amp_lead, speed } = job;
         if let (Some(lead), Some(amp)) = (amp_lead, self.amp.as_mut()) {
             amp.set_lead(lead);
         }
@@ -643,7 +655,8 @@ impl Speaker {
         let _running = self.stop.guard(&cancel);
         let parts = self.plan(&request).map_err(EngineError::Prompt)?;
         let plays = target.plays();
-        let sink = target.open(&self.settings.output)?;
+        // the time stretch sits before the sink (and its amplifier line): speed 1.0 adds nothing
+        let sink = crate::stretch::wrap(target.open(&self.settings.output)?, speed.unwrap_or(self.settings.voice.speed));
         let rate = self.sample_rate();
         let engine = &self.engine;
         let gate = (plays && self.settings.start.policy == StartPolicy::PlayThrough).then(|| Gate::new(self, Instant::now()));

@@ -889,7 +889,7 @@ impl<'a> Connection<'a> {
                 }
             }
         };
-        let handle = match front.submit(request, sink, on_begin) {
+        let handle = match front.submit(request, sink, None, on_begin) {
             Ok(h) => h,
             Err(refused) => {
                 let code = match refused {

@@ -71,6 +71,7 @@ fn serve_with(queue_length: usize, request_timeout: Duration) -> Served {
         mode: Default::default(),
         seeding: Seeding::fixed(5),
         text: Default::default(),
+        speed: 1.0,
     };
     let settings = SpeakerSettings {
         voice,
@@ -196,7 +197,7 @@ fn speech_streams_the_raw_sinks_samples_as_they_are_made() {
     let direct = Shared::default();
     let request = s.front().request(TEXT, None, None).unwrap();
     let sink = s.front().raw_sink(direct.clone(), "memory");
-    s.front().submit(request, sink, |_| {}).unwrap().wait().unwrap();
+    s.front().submit(request, sink, None, |_| {}).unwrap().wait().unwrap();
     let direct = direct.0.lock().unwrap().clone();
     assert!(direct.len() > 48_000, "{} bytes", direct.len());
 
@@ -545,4 +546,28 @@ fn every_format_decodes_with_ffmpeg_to_the_pcm_answers_samples() {
     );
     assert_eq!(best, MP3_DELAY);
     assert!(snr > MP3_SNR_FLOOR_DB, "mp3 SNR {snr:.1} dB");
+}
+
+#[test]
+fn speed_stretches_the_audio_to_its_length_and_one_leaves_it_alone() {
+    let s = serve(2);
+    let ask = |speed: &str| speech(s.addr(), &format!(r#"{{"input":"{TEXT}","response_format":"pcm"{speed}}}"#));
+    let plain = ask("");
+    assert_eq!(plain.status, 200, "{}", plain.text());
+    let one = ask(r#","speed":1.0"#);
+    assert!(one.body == plain.body, "speed 1.0 changed the audio");
+    let n = plain.body.len() / 2;
+    for (given, speed) in [("2", 2.0f64), ("0.5", 0.5), ("1.25", 1.25)] {
+        let r = ask(&format!(r#","speed":{given}"#));
+        assert_eq!(r.status, 200, "{}", r.text());
+        assert!(r.complete);
+        assert_eq!(r.body.len() / 2, (n as f64 / speed).round() as usize, "speed {given}: {n} samples at 1.0");
+    }
+    let bad = ask(r#","speed":5"#);
+    assert_eq!(bad.status, 400);
+    assert!(
+        bad.text().contains("speed 5 is out of range; allowed: 0.25 to 4.0") && bad.text().contains(r#""param":"speed""#),
+        "{}",
+        bad.text()
+    );
 }

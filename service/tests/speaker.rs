@@ -43,6 +43,7 @@ fn speaker_reading(stop: &Stop, reading: Reading) -> Speaker {
         mode: Default::default(),
         seeding: Seeding::fixed(5),
         text: Default::default(),
+        speed: 1.0,
     };
     let settings = SpeakerSettings { voice, amplifier: None, output: OutputSettings::default(), reading, start: Default::default() };
     let settings_engine = EngineSettings { kv_capacity: 1024, ..EngineSettings::default() };

@@ -237,6 +237,7 @@ fn run(times: Times, policy: StartPolicy, text: &str, frames: usize, calibrated:
         mode: Default::default(),
         seeding: Seeding::greedy(),
         text: Default::default(),
+        speed: 1.0,
     };
     let start = StartSettings { policy, max_delay: Duration::from_secs(30), calibrated };
     let settings = SpeakerSettings { voice, amplifier: None, output: OutputSettings::default(), reading: Reading::default(), start };
@@ -318,6 +319,7 @@ fn a_long_text_waits_only_at_its_segment_boundaries() {
         mode: Default::default(),
         seeding: Seeding::greedy(),
         text: Default::default(),
+        speed: 1.0,
     };
     let calibrated = StageRates { seconds_per_frame: 0.12, jitter: 0.1, frames_per_token: None };
     let start = StartSettings { policy: StartPolicy::PlayThrough, max_delay: Duration::from_secs(30), calibrated: Some(calibrated) };

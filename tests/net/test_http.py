@@ -193,6 +193,15 @@ def test_no_response_format_is_playable_mp3_as_openai_answers(server, spoken):
     assert len(pcm) % (2 * 576) == 0 and len(pcm) >= len(spoken) + 2 * 1105
 
 
+def test_the_openai_clients_speed_stretches_the_audio_keeping_its_samples_at_one(server, spoken):
+    for speed, want in [(1.0, len(spoken) // 2), (2.0, round(len(spoken) // 2 / 2.0)), (0.75, round(len(spoken) // 2 / 0.75))]:
+        audio = server.client().audio.speech.create(model="tts-1", voice="default", input=TEXT, response_format="pcm",
+                                                     speed=speed)
+        assert len(audio.content) // 2 == want, (speed, len(audio.content) // 2, want)
+        if speed == 1.0:
+            assert audio.content == spoken
+
+
 def test_streaming_sends_the_first_audio_long_before_the_last(server, spoken):
     client = server.client()
     mark = len(server.log_text())
@@ -254,7 +263,7 @@ def test_the_openai_client_sees_bad_requests_as_such(server):
     assert e.value.status_code == 400
     assert e.value.body["param"] == "response_format"
     with pytest.raises(openai.BadRequestError) as e:
-        server.client().audio.speech.create(model="tts-1", voice="default", input="Hi.", speed=2.0)
+        server.client().audio.speech.create(model="tts-1", voice="default", input="Hi.", speed=4.5)
     assert e.value.body["param"] == "speed"
 
 
@@ -266,7 +275,8 @@ def test_the_openai_client_sees_bad_requests_as_such(server):
      "herald does not produce aac (no encoder for it is built in); response_format must be one of: mp3, flac, wav, pcm"),
     ({"model": "tts-1", "input": "Hi.", "voice": "default", "response_format": "opus"}, "response_format", "opus"),
     ({"model": "tts-1", "input": "Hi.", "voice": "default", "response_format": "ogg"}, "response_format", "unknown"),
-    ({"model": "tts-1", "input": "Hi.", "voice": "default", "speed": 2.0}, "speed", "allowed: 1.0"),
+    ({"model": "tts-1", "input": "Hi.", "voice": "default", "speed": 0.2}, "speed", "speed 0.2 is out of range; allowed: 0.25 to 4.0"),
+    ({"model": "tts-1", "input": "Hi.", "voice": "default", "speed": "fast"}, "speed", "'speed' must be a number from 0.25 to 4.0"),
     ({"model": "tts-1", "input": "Hi.", "voice": "nobody"}, "voice", 'unknown voice "nobody"; voices: default'),
     ({"model": "tts-1", "input": "Hi.", "voice": "default", "stream_format": "sse"}, "stream_format", "allowed: audio"),
     ({"model": "tts-1", "input": "Hi.", "language": "klingon"}, "language", "unknown language"),
@@ -284,7 +294,7 @@ def test_bad_requests_get_400_naming_the_field(server, body, param, words):
 
 def test_every_request_and_its_outcome_is_logged_at_info(server):
     mark = len(server.log_text())
-    status, _, _ = request(server, "POST", "/v1/audio/speech", body={"input": "Hi.", "speed": 2.0})
+    status, _, _ = request(server, "POST", "/v1/audio/speech", body={"input": "Hi.", "speed": 9.0})
     assert status == 400
     assert request(server, "GET", "/v1/models")[0] == 200
     assert request(server, "GET", "/nowhere")[0] == 404

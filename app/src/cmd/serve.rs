@@ -425,6 +425,7 @@ pub const RELOADABLE: &[&str] = &[
     "synthesis.mode",
     "synthesis.sampling",
     "synthesis.seed",
+    "synthesis.speed",
     "text.markdown",
     "text.emoji",
     "text.code",

@@ -50,6 +50,9 @@ pub struct SpeakArgs {
     /// Linear output gain 0.0..=2.0 (overrides audio.volume).
     #[arg(long)]
     volume: Option<f64>,
+    /// Speaking speed 0.25..=4.0, pitch kept (overrides synthesis.speed).
+    #[arg(long)]
+    speed: Option<f64>,
     /// Which runtime runs the talker and code predictor (overrides runtime.backend): auto,
     /// tract or qnn.
     #[arg(long, value_name = "BACKEND")]
@@ -68,6 +71,7 @@ pub fn run(config: Option<&Path>, a: SpeakArgs) -> Result<(), Failure> {
         seed: a.seed,
         mode: a.mode,
         volume: a.volume,
+        speed: a.speed,
         backend: a.backend,
         // --seed asks for sampling even when the config says greedy
         sampling: if a.greedy { Some(Sampling::Greedy) } else { a.seed.map(|_| Sampling::Sample) },
@@ -255,7 +259,8 @@ fn speak(cfg: &Config, text: &str, out: Option<&str>, raw: bool) -> Result<(), F
     );
     // Finished (fade-out, drain, WAV header, the file renamed into place) also after an
     // interrupt: what was spoken stays a valid file.
-    let spoken = match speaker.speak(Job::new(request, Target::Sink { sink, plays })) {
+    let speed = speaker.settings().voice.speed;
+    let spoken = match speaker.speak(Job::new(request, Target::Sink { sink, plays }).speed(speed)) {
         Ok(s) => s,
         Err(JobError::Sink(e)) if e.is_broken_pipe() => {
             log::info!("the reader of standard output went away; stopping");
