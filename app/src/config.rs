@@ -352,6 +352,26 @@ settings! {
         max_start_delay_ms: u32 = 3000, Within(MAX_START_DELAY_MS);
     }
 
+    /// Other names for the bundle's voices, for clients that ask for a voice by a name of their
+    /// own: Home Assistant's voice picker (Wyoming), OpenAI clients, which send `alloy` and its
+    /// siblings. Wherever a voice is named (Wyoming's `voice.name`, HTTP's `voice`,
+    /// `synthesis.speaker`, `herald speak --speaker`) an alias means the same as the name it
+    /// stands for, in any case; Wyoming's `describe` and `GET /v1/audio/voices` list the aliases
+    /// with what they stand for ([the aliases](#voice-aliases)).
+    voices: VoicesConfig {
+        /// Alias → voice, as a table: `[voices.aliases]` with one `kitchen = "vivian"` a line.
+        /// A voice is a speaker of the bundle (any case) or `"default"`, the configured voice
+        /// (`synthesis.speaker`). Built in, where the bundle has the speaker: `alloy` → `sohee`,
+        /// `echo` → `ryan`, `fable` → `aiden`, `nova` → `vivian`, `onyx` → `uncle_fu`, `shimmer`
+        /// → `serena` (OpenAI's voice names; an alias here replaces the built-in one of its
+        /// name: `alloy = "default"` makes OpenAI clients' default follow `synthesis.speaker`).
+        /// Checked against the bundle when it is loaded: an alias of a speaker it lacks, one
+        /// with a speaker's name, or one named `default` stops herald (exit 2, naming the key).
+        /// In a variable: comma-separated, `kitchen=vivian,alloy=ryan` (braces and quotes
+        /// allowed); empty: none.
+        aliases: BTreeMap<String, String> = BTreeMap::new(), AliasTable;
+    }
+
     /// The text front-end: what every text (the FIFO's lines, Wyoming and HTTP requests,
     /// `herald speak`) goes through before it is spoken, so that a language model's answer
     /// is read as a person would read it ([the text front-end](#the-text-front-end)).
@@ -941,6 +961,8 @@ pub enum Raw {
     Ints(Vec<i128>),
     /// A boolean.
     Bool(bool),
+    /// A table of strings, in the order given.
+    Table(Vec<(String, String)>),
     /// An empty environment value of an optional key: unset it.
     Unset,
 }
@@ -954,6 +976,7 @@ impl fmt::Display for Raw {
             Raw::Float(v) => f.write_str(&render_f64(*v)),
             Raw::Ints(v) => f.write_str(&ints_text(v)),
             Raw::Bool(b) => write!(f, "{b}"),
+            Raw::Table(t) => f.write_str(&table_text(t)),
             Raw::Unset => f.write_str("\"\""),
         }
     }
@@ -972,6 +995,8 @@ pub enum Shape {
     Ints,
     /// A boolean (in text: `true` or `false`).
     Bool,
+    /// A table of strings (in text: comma-separated `name=value` pairs).
+    Table,
 }
 
 impl Shape {
@@ -983,6 +1008,7 @@ impl Shape {
             Shape::Float => "a number",
             Shape::Ints => "an array of integers",
             Shape::Bool => "true or false",
+            Shape::Table => "a table of strings",
         }
     }
 
@@ -996,6 +1022,9 @@ impl Shape {
             (Shape::Float, V::Integer(n)) => Some(Raw::Float(*n as f64)),
             (Shape::Bool, V::Boolean(b)) => Some(Raw::Bool(*b)),
             (Shape::Ints, V::Array(a)) => a.iter().map(|x| x.as_integer().map(i128::from)).collect::<Option<Vec<_>>>().map(Raw::Ints),
+            (Shape::Table, V::Table(t)) => {
+                t.iter().map(|(k, v)| v.as_str().map(|v| (k.clone(), v.to_owned()))).collect::<Option<Vec<_>>>().map(Raw::Table)
+            }
             _ => None,
         }
     }
@@ -1012,6 +1041,7 @@ impl Shape {
                 "false" => Ok(Raw::Bool(false)),
                 _ => Err((quoted(raw), format!("is not {}", self.expected()))),
             },
+            Shape::Table => table_from_text(raw).map(Raw::Table).map_err(|why| (quoted(raw), why)),
             Shape::Ints => {
                 let inner = raw.trim();
                 let inner = inner.strip_prefix('[').and_then(|i| i.strip_suffix(']')).unwrap_or(inner).trim();
@@ -1155,6 +1185,18 @@ impl Setting for Vec<usize> {
     }
 }
 
+impl Setting for BTreeMap<String, String> {
+    const SHAPE: Shape = Shape::Table;
+    const DOC_TYPE: &'static str = "table of strings";
+    type Given = BTreeMap<String, String>;
+    fn given(g: &BTreeMap<String, String>) -> Raw {
+        Raw::Table(g.iter().map(|(k, v)| (k.clone(), v.clone())).collect())
+    }
+    fn to_toml(&self) -> Option<toml::Value> {
+        Some(toml::Value::Table(self.iter().map(|(k, v)| (k.clone(), toml::Value::String(v.clone()))).collect()))
+    }
+}
+
 impl<T: Setting> Setting for Option<T> {
     const SHAPE: Shape = T::SHAPE;
     const OPTIONAL: bool = true;
@@ -1293,6 +1335,33 @@ impl Rule<Vec<usize>> for Ramp {
     }
 }
 
+/// `voices.aliases`: a table of alias → voice. What depends on the bundle (the voice exists, the
+/// alias hides no speaker) and the names themselves are checked when the bundle is loaded
+/// (`service::Aliases::new`); here only the shape.
+struct AliasTable;
+
+impl Rule<BTreeMap<String, String>> for AliasTable {
+    fn check(&self, raw: Raw, _: Option<&Path>) -> Result<BTreeMap<String, String>, Bad> {
+        match raw {
+            Raw::Table(pairs) => {
+                let shown = table_text(&pairs);
+                let mut out = BTreeMap::new();
+                for (name, voice) in pairs {
+                    if out.contains_key(&name) {
+                        return Err((shown, format!("names {name:?} twice")));
+                    }
+                    out.insert(name, voice);
+                }
+                Ok(out)
+            }
+            other => wrong_shape(other, Shape::Table),
+        }
+    }
+    fn allowed(&self) -> String {
+        "names → a speaker of the bundle or `\"default\"`".into()
+    }
+}
+
 /// An optional key: unset by an empty value, else checked by the inner rule. The text says
 /// what unset means (empty: nothing to say).
 struct Opt<R>(&'static str, R);
@@ -1381,6 +1450,35 @@ fn range_text<T: fmt::Display>(r: &RangeInclusive<T>) -> String {
 
 fn ints_text(v: &[i128]) -> String {
     format!("[{}]", v.iter().map(i128::to_string).collect::<Vec<_>>().join(", "))
+}
+
+/// A table as TOML writes it inline: `{ kitchen = "vivian" }`.
+fn table_text(t: &[(String, String)]) -> String {
+    let mut table = toml::Table::new();
+    for (k, v) in t {
+        table.insert(k.clone(), toml::Value::String(v.clone()));
+    }
+    toml::Value::Table(table).to_string()
+}
+
+/// A table from an environment or `--set` value: comma-separated `name=value` pairs, each side
+/// trimmed and unquoted (`"…"`), the whole optionally in braces; empty (or `{}`): no pair.
+/// `name = "value"` pairs, as `herald config` prints them, read back.
+fn table_from_text(raw: &str) -> Result<Vec<(String, String)>, String> {
+    let inner = raw.trim();
+    let inner = inner.strip_prefix('{').and_then(|i| i.strip_suffix('}')).unwrap_or(inner).trim();
+    let unquote = |s: &str| {
+        let s = s.trim();
+        s.strip_prefix('"').and_then(|u| u.strip_suffix('"')).unwrap_or(s).to_owned()
+    };
+    let mut out = Vec::new();
+    for pair in inner.split(',').filter(|p| !p.trim().is_empty()) {
+        let Some((name, value)) = pair.split_once('=') else {
+            return Err(format!("has {:?}, not a name=voice pair (e.g. kitchen=vivian,alloy=ryan)", pair.trim()));
+        };
+        out.push((unquote(name), unquote(value)));
+    }
+    Ok(out)
 }
 
 fn ramp(v: Vec<i128>) -> Result<Vec<usize>, Bad> {
@@ -1611,12 +1709,16 @@ impl Config {
                     layer.insert(p.key.name, raw);
                 }
                 None => {
-                    return Err(ConfigError::Invalid {
-                        origin: origin_of(p),
-                        key: p.key.name.to_string(),
-                        value: text.get(p.value.clone()).unwrap_or("").trim().to_string(),
-                        problem: format!("has the wrong type (expected {})", p.key.shape.expected()),
-                    });
+                    let mut shown = text.get(p.value.clone()).unwrap_or("").trim().to_string();
+                    let mut problem = format!("has the wrong type (expected {})", p.key.shape.expected());
+                    // a table (`[voices.aliases]` spans its header): the table, and the entry
+                    if let Some(toml::Value::Table(t)) = value {
+                        shown = toml::Value::Table(t.clone()).to_string();
+                        if let Some((k, v)) = t.iter().find(|(_, v)| !v.is_str()) {
+                            problem = format!("has the wrong type (expected {}; {k} = {v} is not a string)", p.key.shape.expected());
+                        }
+                    }
+                    return Err(ConfigError::Invalid { origin: origin_of(p), key: p.key.name.to_string(), value: shown, problem });
                 }
             }
         }
@@ -1852,6 +1954,7 @@ mod tests {
         assert_eq!(a.model, b.model);
         assert_eq!(a.audio, b.audio);
         assert_eq!(a.synthesis, b.synthesis);
+        assert_eq!(a.voices, b.voices);
         assert_eq!(a.runtime, b.runtime);
         assert_eq!(a.amplifier, b.amplifier);
         assert_eq!(a.log, b.log);
@@ -2008,6 +2111,55 @@ mod tests {
         assert_eq!(env_name("audio.leading_silence_ms"), "HERALD_AUDIO_LEADING_SILENCE_MS");
     }
 
+    /// `[voices.aliases]`: a table in the file (as a section or inline), comma-separated pairs in
+    /// a variable, printed inline by `herald config` and read back; a value that is no string
+    /// or a pair without `=` names the key.
+    #[test]
+    fn voice_aliases_from_the_file_the_environment_and_back() {
+        let want: BTreeMap<String, String> =
+            [("kitchen", "vivian"), ("living room", "ryan")].map(|(a, v)| (a.to_owned(), v.to_owned())).into();
+        let c =
+            load_text("aliases.toml", "[audio]\nvolume = 0.5\n\n[voices.aliases]\nkitchen = \"vivian\"\n\"living room\" = \"ryan\"\n")
+                .unwrap();
+        assert_eq!(c.voices.aliases, want);
+        assert!(c.origin("voices.aliases").ends_with("aliases.toml:4"), "{}", c.origin("voices.aliases"));
+        assert_eq!(c.get("voices.aliases").as_deref(), Some("{ kitchen = \"vivian\", \"living room\" = \"ryan\" }"));
+        let inline =
+            load_text("aliases-inline.toml", "[voices]\naliases = { kitchen = \"vivian\", \"living room\" = \"ryan\" }\n").unwrap();
+        assert_eq!(inline.voices.aliases, want);
+        // printed by `herald config` and read back
+        let back = load_text("aliases-rt.toml", &c.to_string()).unwrap();
+        same_settings(&back, &c);
+        // the environment: pairs, braces and quotes allowed, empty for none
+        let from_env = |v: &str| Config::load_with_default(Path::new(NO_DEFAULT), None, &env(&[("HERALD_VOICES_ALIASES", v)]));
+        assert_eq!(from_env("kitchen=vivian, living room = ryan").unwrap().voices.aliases, want);
+        assert_eq!(from_env(&c.get("voices.aliases").unwrap()).unwrap().voices.aliases, want);
+        for none in ["", " ", "{}"] {
+            assert!(from_env(none).unwrap().voices.aliases.is_empty(), "{none:?}");
+        }
+        assert_eq!(
+            from_env("kitchen").unwrap_err().to_string(),
+            "env HERALD_VOICES_ALIASES: voices.aliases = \"kitchen\" has \"kitchen\", not a name=voice pair (e.g. kitchen=vivian,alloy=ryan)"
+        );
+        assert_eq!(
+            from_env("a=ryan,a=eric").unwrap_err().to_string(),
+            "env HERALD_VOICES_ALIASES: voices.aliases = { a = \"eric\" } names \"a\" twice"
+        );
+        // the file: only strings
+        let e = load_err("aliases-bad.toml", "[voices.aliases]\nkitchen = 3\n");
+        assert!(
+            e.ends_with(
+                "aliases-bad.toml:1: voices.aliases = { kitchen = 3 } has the wrong type (expected a table of strings; kitchen = 3 \
+                 is not a string)"
+            ),
+            "{e}"
+        );
+        let e = load_err("aliases-bad2.toml", "[voices]\naliases = \"kitchen\"\n");
+        assert!(e.ends_with(":2: voices.aliases = \"kitchen\" has the wrong type (expected a table of strings)"), "{e}");
+        let e = load_err("aliases-bad3.toml", "[voices]\nalias = {}\n");
+        assert!(e.contains("unknown key voices.alias (keys of [voices]: aliases)"), "{e}");
+    }
+
     #[test]
     fn config_file_from_environment() {
         let path = file("from-env.toml", "[audio]\nvolume = 0.3\n");
@@ -2068,7 +2220,7 @@ mod tests {
         let msg = load_err("gpio.toml", "[audio]\n\n[gpio]\npin = 4\n");
         assert!(
             msg.ends_with(
-                "gpio.toml:3: unknown section [gpio] (sections: model, audio, synthesis, text, runtime, amplifier, serve, log)"
+                "gpio.toml:3: unknown section [gpio] (sections: model, audio, synthesis, voices, text, runtime, amplifier, serve, log)"
             ),
             "{msg}"
         );
@@ -2076,7 +2228,7 @@ mod tests {
         assert!(
             msg.ends_with(
                 "top.toml:1: key volume is outside any section (settings live in the sections [model], \
-                               [audio], [synthesis], [text], [runtime], [amplifier], [serve], [log])"
+                               [audio], [synthesis], [voices], [text], [runtime], [amplifier], [serve], [log])"
             ),
             "{msg}"
         );

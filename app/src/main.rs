@@ -46,7 +46,8 @@ enum Command {
     Speak(cmd::speak::SpeakArgs),
     /// Print the effective configuration (defaults, file, environment) as TOML.
     Config,
-    /// Print a bundle's model facts, graphs, speakers and languages, and a memory estimate.
+    /// Print a bundle's model facts, graphs, speakers, voice aliases and languages, and a memory
+    /// estimate.
     Info(cmd::info::InfoArgs),
     /// Rewrite an ONNX file so tract can load it (NaN guards, allowzero, rank-0 axes, value_info).
     Sanitize(cmd::sanitize::SanitizeArgs),

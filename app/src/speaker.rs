@@ -1,5 +1,6 @@
 //! The configuration as the service sees it: the one function that maps [`Config`] into the
-//! service's plain settings (voice and its text front-end, amplifier line, sinks).
+//! service's plain settings (voice and its text front-end, amplifier line, sinks), and the
+//! voice aliases checked against a bundle.
 
 use std::time::Duration;
 
@@ -7,7 +8,7 @@ use std::sync::Arc;
 
 use engine::prompt::PromptMode;
 use service::text::{self, Replacements, TextError, TextOptions};
-use service::{AmpSettings, OutputSettings, Reading, Seeding, SpeakerSettings, StartSettings, Voice};
+use service::{Aliases, AmpSettings, OutputSettings, Reading, Seeding, SpeakerSettings, StartSettings, Voice, VoiceInfo};
 
 use crate::config::{ActiveLevel, Config, SynthesisMode, TextCode, TextEmoji, TextMarkdown, TextPauseTags, TextUrls};
 
@@ -39,6 +40,16 @@ pub fn text_options(cfg: &Config) -> Result<TextOptions, TextError> {
         },
         replacements,
     })
+}
+
+/// `voices.aliases` over the built-in aliases, checked against `voices` (the bundle's,
+/// `service::front::catalog`).
+///
+/// # Errors
+/// An alias the bundle cannot serve (`service::AliasError`), prefixed with where
+/// `voices.aliases` was set: `/etc/herald/herald.toml:12: voices.aliases.kitchen = "vivan": …`.
+pub fn aliases(cfg: &Config, voices: &[VoiceInfo]) -> anyhow::Result<Aliases> {
+    Aliases::new(voices, &cfg.voices.aliases).map_err(|e| anyhow::anyhow!("{}: {e}", cfg.origin("voices.aliases")))
 }
 
 /// The speaker's settings from `cfg`. `plays`: the audio goes to the device, so the amplifier

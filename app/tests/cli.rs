@@ -401,6 +401,23 @@ fn languages_and_the_default_speaker_take_the_words_of_http_and_wyoming() {
     assert_eq!(speak("code", &["--language", "en"]), want, "--language en");
     assert_eq!(speak("tag", &["--language", "en-US"]), want, "--language en-US");
     assert_eq!(speak("case", &["--language", "English"]), want, "--language English");
+    // a voice alias is its speaker: a built-in one (echo → ryan), and one of the configuration
+    // in another case
+    let aliased = |name: &str, speaker: &str, env: &[(&str, &str)]| -> Vec<u8> {
+        let out = d.join(format!("{name}.wav"));
+        let args = ["speak", "Hello.", "--bundle", bs, "--seed", "5", "--speaker", speaker, "--language", "english", "--out"];
+        let o = herald(&[&args[..], &[out.to_str().unwrap()]].concat(), env, None);
+        assert!(o.status.success(), "{name}: {}", stderr(&o));
+        std::fs::read(out).unwrap()
+    };
+    assert_eq!(aliased("echo", "echo", &[]), want, "--speaker echo");
+    assert_eq!(aliased("kitchen", "Kitchen", &[("HERALD_VOICES_ALIASES", "kitchen=RYAN")]), want, "kitchen=RYAN");
+    // an alias the bundle cannot serve stops `speak` naming the key
+    common::assert_one_error_line(
+        &herald(&["speak", "Hello.", "--bundle", bs, "--out", "/dev/null"], &[("HERALD_VOICES_ALIASES", "kitchen=nobody")], None),
+        2,
+        "env HERALD_VOICES_ALIASES: voices.aliases.kitchen = \"nobody\": the bundle has no speaker",
+    );
     // `default` is no speaker: the bundle's default voice, as without --speaker
     let plain = d.join("plain.wav");
     let o = herald(&["speak", "Hello.", "--bundle", bs, "--seed", "5", "--out", plain.to_str().unwrap()], &[], None);

@@ -359,8 +359,20 @@ fn startup_errors_exit_with_one_line() {
     check(run(&["serve", "--bundle", "/nonexistent/bundle", "--fifo", fifo.to_str().unwrap()], &[]), 4, "/nonexistent/bundle");
     assert!(!fifo.exists(), "a failed start leaves no FIFO behind");
     check(run(&["serve", "--bundle", bs, "--fifo", fifo.to_str().unwrap()], &[("HERALD_SYNTHESIS_SPEAKER", "nobody")]), 2, "nobody");
-    // the network front-ends' addresses: malformed, busy, or open to the network without a key
+    // a voice alias the bundle cannot serve, or one that hides a speaker, names its key
     let f = fifo.to_str().unwrap();
+    check(
+        run(&["serve", "--bundle", bs, "--fifo", f], &[("HERALD_VOICES_ALIASES", "kitchen=vivan")]),
+        2,
+        "voices.aliases.kitchen = \"vivan\"",
+    );
+    check(
+        run(&["serve", "--bundle", bs, "--fifo", f], &[("HERALD_VOICES_ALIASES", "Ryan=vivian")]),
+        2,
+        "voices.aliases.Ryan: \"ryan\" is a speaker",
+    );
+    assert!(!fifo.exists());
+    // the network front-ends' addresses: malformed, busy, or open to the network without a key
     check(run(&["serve", "--bundle", bs, "--fifo", f], &[("HERALD_SERVE_WYOMING", "udp://1.2.3.4:5")]), 2, "serve.wyoming");
     check(
         run(&["serve", "--bundle", bs, "--fifo", f], &[("HERALD_SERVE_HTTP", "127.0.0.1")]),

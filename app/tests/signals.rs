@@ -1,6 +1,7 @@
 //! What SIGINT, SIGTERM and SIGHUP do to the `herald` binary (docs/reliability.md "Signals"):
 //! `herald serve` reloads its configuration on SIGHUP and goes on (the next line's audio is the
-//! reloaded volume's; a key that needs a restart is named), and stops on SIGTERM naming it;
+//! reloaded volume's; a key that needs a restart is named; the network limits, the API key and
+//! the voice aliases apply to the next request), and stops on SIGTERM naming it;
 //! `herald speak` waiting for its text on a pipe stops on the first SIGINT or SIGTERM; a second
 //! signal during `--out` says what it left behind.
 
@@ -127,6 +128,20 @@ fn get_status(addr: &str, path: &str, key: Option<&str>) -> String {
     answer.lines().next().unwrap_or_default().to_owned()
 }
 
+/// What `GET /v1/audio/voices` on `addr` (with `key` as the bearer token) says the voice `id`
+/// stands for: `Some(null)` for a speaker, `None` when it is not listed.
+fn alias_of(addr: &str, key: &str, id: &str) -> Option<serde_json::Value> {
+    let mut s = TcpStream::connect(addr).unwrap();
+    s.set_read_timeout(Some(Duration::from_secs(30))).unwrap();
+    write!(s, "GET /v1/audio/voices HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {key}\r\nConnection: close\r\n\r\n").unwrap();
+    let mut answer = String::new();
+    s.read_to_string(&mut answer).unwrap();
+    let (head, body) = answer.split_once("\r\n\r\n").unwrap();
+    assert!(head.starts_with("HTTP/1.1 200 "), "{answer}");
+    let voices: serde_json::Value = serde_json::from_str(body).unwrap();
+    voices["voices"].as_array().unwrap().iter().find(|v| v["id"] == id).map(|v| v["alias_of"].clone())
+}
+
 /// Whether the server closes `s` (end of stream or a reset) within `timeout`.
 fn closed_within(s: &mut TcpStream, timeout: Duration) -> bool {
     s.set_read_timeout(Some(timeout)).unwrap();
@@ -146,7 +161,11 @@ fn sighup_reloads_the_network_limits_timeouts_and_api_key() {
     let b = bundle();
     let d = common::tmp("signals", "reload-net");
     let cfg = d.join("herald.toml");
-    std::fs::write(&cfg, "[serve]\nmax_connections = 4\nidle_timeout_s = 120\nqueue_length = 4\n").unwrap();
+    std::fs::write(
+        &cfg,
+        "[serve]\nmax_connections = 4\nidle_timeout_s = 120\nqueue_length = 4\n[voices.aliases]\nkitchen = \"vivian\"\n",
+    )
+    .unwrap();
     let out = d.join("out");
     std::fs::create_dir_all(&out).unwrap();
     let mut child = common::command(
@@ -177,10 +196,24 @@ fn sighup_reloads_the_network_limits_timeouts_and_api_key() {
     let mut idle: Vec<TcpStream> = (0..3).map(|_| TcpStream::connect(&http).unwrap()).collect();
     std::thread::sleep(Duration::from_millis(300));
 
-    std::fs::write(&cfg, "[serve]\nmax_connections = 1\nidle_timeout_s = 2\nqueue_length = 2\napi_key = \"s3cret-token\"\n").unwrap();
+    assert_eq!(alias_of(&http, "", "kitchen"), Some(serde_json::json!("vivian")));
+    assert_eq!(alias_of(&http, "", "hall"), None);
+
+    std::fs::write(
+        &cfg,
+        "[serve]\nmax_connections = 1\nidle_timeout_s = 2\nqueue_length = 2\napi_key = \"s3cret-token\"\n\
+         [voices.aliases]\nkitchen = \"ryan\"\nhall = \"default\"\n",
+    )
+    .unwrap();
     kill(&child, "HUP");
     let line = err.wait_for("SIGHUP: reloaded", "\0", Duration::from_secs(30));
-    for k in ["serve.max_connections = 1", "serve.idle_timeout_s = 2", "serve.queue_length = 2", "serve.api_key (set)"] {
+    for k in [
+        "serve.max_connections = 1",
+        "serve.idle_timeout_s = 2",
+        "serve.queue_length = 2",
+        "serve.api_key (set)",
+        r#"voices.aliases = { hall = "default", kitchen = "ryan" }"#,
+    ] {
         assert!(line.contains(k), "{k} not in: {line}");
     }
     assert!(!line.contains("s3cret"), "the key was logged: {line}");
@@ -194,10 +227,26 @@ fn sighup_reloads_the_network_limits_timeouts_and_api_key() {
     assert!(get_status(&http, "/v1/models", None).contains(" 401 "));
     assert!(get_status(&http, "/v1/models", Some("s3cret-token")).contains(" 200 "));
     assert!(get_status(&http, "/healthz", None).contains(" 200 "));
+    // the aliases are the new ones
+    assert_eq!(alias_of(&http, "s3cret-token", "kitchen"), Some(serde_json::json!("ryan")));
+    assert_eq!(alias_of(&http, "s3cret-token", "hall"), Some(serde_json::json!("default")));
+    assert_eq!(alias_of(&http, "s3cret-token", "ryan"), Some(serde_json::Value::Null), "a speaker");
     // a Wyoming connection opened now has the new idle timeout
     let mut w = TcpStream::connect(&wyoming).unwrap();
     w.write_all(b"{\"type\": \"describe\"}\n").unwrap();
     assert!(closed_within(&mut w, Duration::from_secs(10)), "an idle Wyoming connection outlived idle_timeout_s = 2");
+
+    // an alias the bundle cannot serve changes nothing, naming the key
+    std::fs::write(
+        &cfg,
+        "[serve]\nmax_connections = 1\nidle_timeout_s = 2\nqueue_length = 2\napi_key = \"s3cret-token\"\n\
+         [voices.aliases]\nkitchen = \"vivan\"\n",
+    )
+    .unwrap();
+    kill(&child, "HUP");
+    let refused = err.wait_for("nothing was changed", "\0", Duration::from_secs(30));
+    assert!(refused.contains("voices.aliases.kitchen = \"vivan\""), "{refused}");
+    assert_eq!(alias_of(&http, "s3cret-token", "kitchen"), Some(serde_json::json!("ryan")), "the old aliases hold");
 
     // a key that cannot be a bearer token changes nothing
     std::fs::write(&cfg, "[serve]\nmax_connections = 8\napi_key = \" spaced \"\n").unwrap();

@@ -1,12 +1,15 @@
-//! How much CPU each encoder of [`service::encode`] takes per second of audio: encodes 300 s of
-//! a speech-like synthetic signal (a gliding harmonic tone with noise, 24 kHz mono) in
-//! 80 ms chunks, three times per codec, and prints the fastest run's thread CPU time per second
-//! of audio (docs/performance.md). Run it on a release build:
+//! How much CPU each encoder of [`service::encode`] and the time stretch of [`service::stretch`]
+//! (HTTP `speed`) take per second of audio: encodes (stretches) 300 s of a speech-like synthetic
+//! signal (a gliding harmonic tone with noise, 24 kHz mono) in 80 ms chunks, three times per
+//! codec (speed), and prints the fastest run's process CPU time per second of audio in
+//! (docs/performance.md). Run it on a release build:
 //! `cargo run --release --example encode_bench`.
 
 use std::time::Duration;
 
+use board::audio::{AudioSink, NullSink, ShaperSettings};
 use service::encode::Codec;
+use service::stretch::StretchSink;
 
 /// The process's user + system CPU time from /proc/self/stat (clock ticks of 10 ms, Linux's
 /// USER_HZ of 100: a 300 s run of either codec takes over 40 ticks).
@@ -62,5 +65,21 @@ fn main() {
         }
         let per_s = best.as_secs_f64() * 1000.0 / SECONDS as f64;
         println!("{}: {per_s:.2} ms CPU per second of audio ({bytes} bytes for {SECONDS} s)", codec.name());
+    }
+    let floats: Vec<f32> = signal.iter().map(|&x| f32::from(x) / 32768.0).collect();
+    for speed in [0.5f32, 0.8, 1.5, 2.0] {
+        let mut best = Duration::MAX;
+        for _ in 0..3 {
+            let mut sink = StretchSink::new(NullSink::new(ShaperSettings::passthrough()), speed);
+            let t0 = cpu_time();
+            let run = sink.begin(RATE).and_then(|()| floats.chunks(1920).try_for_each(|c| sink.write(c))).and_then(|()| sink.finish());
+            if let Err(e) = run {
+                eprintln!("stretch: {e}");
+                std::process::exit(1);
+            }
+            best = best.min(cpu_time() - t0);
+        }
+        let per_s = best.as_secs_f64() * 1000.0 / SECONDS as f64;
+        println!("speed {speed}: {per_s:.2} ms CPU per second of audio in (WSOLA, service::stretch)");
     }
 }

@@ -14,11 +14,13 @@
 //!   - `model`: any string (clients send `tts-1`; one that is not [`Front::model`] is logged
 //!     at debug level); may be missing.
 //!   - `input`: the text, required, at most `serve.max_text_chars` characters.
-//!   - `voice`: a speaker of the bundle, or `default` (the configured voice); a string or
+//!   - `voice`: a speaker of the bundle, an alias ([`crate::front::Aliases`]: the
+//!     configuration's `[voices.aliases]` and the built-in `echo`, `nova`, … where the bundle
+//!     has their speakers), or `default` (the configured voice), in any case; a string or
 //!     `{"id": "…"}`. One of OpenAI's built-in voices ([`OPENAI_VOICES`]: `alloy`, `nova`, …)
-//!     that the bundle does not have means the configured voice too (logged at debug level),
-//!     since integrations hard-code them. Any other unknown voice is refused with the list of
-//!     voices.
+//!     that is neither a speaker nor an alias means the configured voice too (logged at debug
+//!     level), since integrations hard-code them. Any other unknown voice is refused (400,
+//!     `param: voice`) with the list of names allowed.
 //!   - `response_format` (any case): `mp3` (`audio/mpeg`, LAME, 64 kbit/s CBR mono), `flac`
 //!     (`audio/flac`, lossless), `wav` (`audio/wav`, 16-bit mono WAV with a streaming header:
 //!     RIFF and data sizes `0xFFFFFFFF`, since the length is not known when it starts) or `pcm`
@@ -62,6 +64,11 @@
 //!   (503 `audio_device_unavailable` naming the device while it cannot be opened, 500 for
 //!   another device failure, with its message). A client that disconnects does not cancel a
 //!   say: the announcement is played to the end.
+//! - `GET /v1/audio/voices` → `{"voices": [{"id", "name", "alias_of", "languages"}, …]}`: the
+//!   bundle's speakers (`alias_of` null), then the aliases (`alias_of` the speaker, or
+//!   `default` for the configured voice), `languages` the bundle's names ([`Front::listing`]).
+//!   The shape Open WebUI and other OpenAI-compatible servers use (`name` is for people: an
+//!   alias's says what it stands for).
 //! - `GET /v1/models` → the OpenAI list format with the one model ([`Front::model`]);
 //!   `GET /v1/models/{id}` → that model, or 404.
 //! - `GET /healthz` → `200 {"status":"ready"}` once the model is loaded, else `503
@@ -149,7 +156,7 @@ use tokio::sync::{Notify, mpsc, oneshot, watch};
 
 use crate::conns::{Activity, Closer, Member, RefusalLog, Table, Tracker};
 use crate::encode::Codec;
-use crate::front::{Front, RequestError, Slot, VoiceInfo};
+use crate::front::{Front, RequestError, Slot};
 use crate::live::Reloadable;
 use crate::queue::{JobHandle, Refused};
 use crate::speaker::{JobError, Spoken};
@@ -190,8 +197,9 @@ const RETRY_AFTER_S: u32 = 1;
 const REFUSE_TIME: Duration = Duration::from_secs(1);
 /// The response formats herald makes, for messages.
 const FORMATS: &str = "mp3, flac, wav, pcm";
-/// The voices OpenAI's speech API has built in. Integrations hard-code them, so one the bundle
-/// does not have means the configured voice (logged at debug level) instead of a 400.
+/// The voices OpenAI's speech API has built in. Integrations hard-code them, so one that is
+/// neither a speaker of the bundle nor an alias means the configured voice (logged at debug
+/// level) instead of a 400.
 pub const OPENAI_VOICES: &[&str] =
     &["alloy", "ash", "ballad", "cedar", "coral", "echo", "fable", "marin", "nova", "onyx", "sage", "shimmer", "verse"];
 
@@ -920,6 +928,7 @@ async fn serve_connection(
 enum Route {
     Speech,
     Say,
+    Voices,
     Models,
     Model,
     Health,
@@ -933,6 +942,7 @@ fn route(method: &Method, path: &str) -> Route {
     let (want, route) = match path {
         "/v1/audio/speech" => (Method::POST, Route::Speech),
         "/v1/say" => (Method::POST, Route::Say),
+        "/v1/audio/voices" => (Method::GET, Route::Voices),
         "/v1/models" => (Method::GET, Route::Models),
         "/healthz" => (Method::GET, Route::Health),
         p if p.strip_prefix("/v1/models/").is_some_and(|id| !id.is_empty() && !id.contains('/')) => (Method::GET, Route::Model),
@@ -1473,6 +1483,10 @@ async fn respond(
             r.headers_mut().insert(header::ALLOW, HeaderValue::from_static(allow));
             Ok(r)
         }
+        Route::Voices => {
+            let front = shared.slot.get().ok_or_else(ApiError::loading)?;
+            Ok(json_response(StatusCode::OK, Bytes::from(voices_json(front).to_string())))
+        }
         Route::Models => {
             let front = shared.slot.get().ok_or_else(ApiError::loading)?;
             Ok(json_response(StatusCode::OK, Bytes::from(json!({"object": "list", "data": [model_json(front)]}).to_string())))
@@ -1496,6 +1510,23 @@ async fn respond(
             }
         }
     }
+}
+
+/// `GET /v1/audio/voices`'s answer (see the module doc).
+fn voices_json(front: &Front) -> Value {
+    let voices: Vec<Value> = front
+        .listing()
+        .into_iter()
+        .map(|v| {
+            let name = match &v.alias_of {
+                None => v.name.clone(),
+                Some(to) if to == crate::front::DEFAULT_VOICE => format!("{} (the configured voice)", v.name),
+                Some(to) => format!("{} ({to})", v.name),
+            };
+            json!({"id": v.name, "name": name, "alias_of": v.alias_of, "languages": v.languages})
+        })
+        .collect();
+    json!({ "voices": voices })
 }
 
 fn model_json(front: &Front) -> Value {
@@ -1538,11 +1569,12 @@ fn content_length(headers: &HeaderMap) -> Option<u64> {
     headers.get(header::CONTENT_LENGTH)?.to_str().ok()?.trim().parse().ok()
 }
 
-/// Whether `voice` is one of OpenAI's built-in voices ([`OPENAI_VOICES`]) that is not among
-/// `voices` (the bundle's): it then means the configured voice.
-fn openai_voice_not_in_bundle(voice: &str, voices: &[VoiceInfo]) -> bool {
+/// Whether `voice` is one of OpenAI's built-in voices ([`OPENAI_VOICES`]) that `resolved`
+/// (what [`Front::resolve_voice`] made of it) says is neither a speaker nor an alias: it then
+/// means the configured voice.
+fn openai_voice_unknown(voice: &str, resolved: &Result<Option<String>, RequestError>) -> bool {
     let v = voice.trim();
-    OPENAI_VOICES.iter().any(|o| o.eq_ignore_ascii_case(v)) && !voices.iter().any(|k| k.name.eq_ignore_ascii_case(v))
+    OPENAI_VOICES.iter().any(|o| o.eq_ignore_ascii_case(v)) && resolved.is_err()
 }
 
 /// A thread started before its job is queued (so that a thread that cannot be started refuses
@@ -1579,9 +1611,9 @@ async fn speech(body: &[u8], number: u64, peer: SocketAddr, shared: &Shared, sta
         log::debug!("http: request {number}: instructions ignored ({} characters)", i.chars().count());
     }
     let voice = match params.voice.as_deref() {
-        Some(v) if openai_voice_not_in_bundle(v, front.voices()) => {
+        Some(v) if openai_voice_unknown(v, &front.resolve_voice(Some(v))) => {
             log::debug!(
-                "http: request {number}: OpenAI's voice {:?} is not in the bundle; speaking with the configured voice",
+                "http: request {number}: OpenAI's voice {:?} is neither a speaker nor an alias; speaking with the configured voice",
                 v.trim()
             );
             None
@@ -1807,7 +1839,7 @@ mod tests {
         }
         assert_eq!(parse_speech(br#"{"input":"x","speed":null}"#).unwrap().speed, None);
         assert_eq!(parse_speech(br#"{"input":"x"}"#).unwrap().speed, None);
-        for given in ["0.2", "4.01", "0", "-1", "1e9"] {
+        for given in ["0.2", "4.01", "0", "-1", "1000000000"] {
             let e = err(parse_speech(format!(r#"{{"input":"x","speed":{given}}}"#).as_bytes()));
             assert_eq!((e.status, e.param), (StatusCode::BAD_REQUEST, Some("speed")), "{given}");
             assert_eq!(e.message, format!("speed {given} is out of range; allowed: 0.25 to 4.0"));
@@ -1864,6 +1896,8 @@ mod tests {
         assert_eq!(route(&Method::GET, "/v1/audio/speech"), Route::WrongMethod("POST"));
         assert_eq!(route(&Method::POST, "/v1/say"), Route::Say);
         assert_eq!(route(&Method::GET, "/v1/models"), Route::Models);
+        assert_eq!(route(&Method::GET, "/v1/audio/voices"), Route::Voices);
+        assert_eq!(route(&Method::POST, "/v1/audio/voices"), Route::WrongMethod("GET, HEAD"));
         assert_eq!(route(&Method::GET, "/v1/models/qwen3-tts-0b6-base"), Route::Model);
         assert_eq!(route(&Method::GET, "/v1/models/"), Route::NotFound);
         assert_eq!(route(&Method::GET, "/v1/models/a/b"), Route::NotFound);
@@ -2043,20 +2077,27 @@ mod tests {
     }
 
     #[test]
-    fn openai_voices_the_bundle_lacks_mean_the_configured_voice() {
+    fn openai_voices_neither_speaker_nor_alias_mean_the_configured_voice() {
+        use crate::front::{Aliases, VoiceInfo, resolve_voice};
         let voices = |names: &[&str]| -> Vec<VoiceInfo> {
             names.iter().map(|n| VoiceInfo { name: (*n).into(), languages: vec!["english".into()] }).collect()
         };
+        let fallback =
+            |v: &str, voices: &[VoiceInfo]| openai_voice_unknown(v, &resolve_voice(voices, &Aliases::builtin(voices), Some(v)));
+        // a bundle without speakers offers no built-in alias
         let plain = voices(&["default"]);
         for v in OPENAI_VOICES {
-            assert!(openai_voice_not_in_bundle(v, &plain), "{v}");
+            assert!(fallback(v, &plain), "{v}");
         }
-        assert!(openai_voice_not_in_bundle(" Alloy ", &plain));
-        assert!(!openai_voice_not_in_bundle("nobody", &plain), "not an OpenAI voice: still refused");
-        assert!(!openai_voice_not_in_bundle("default", &plain));
-        // a bundle with a speaker of that name speaks with it
-        assert!(!openai_voice_not_in_bundle("nova", &voices(&["nova", "ryan"])));
-        assert!(openai_voice_not_in_bundle("echo", &voices(&["nova", "ryan"])));
+        assert!(fallback(" Alloy ", &plain));
+        assert!(!fallback("nobody", &plain), "not an OpenAI voice: still refused");
+        assert!(!fallback("default", &plain));
+        // a bundle with a speaker of that name speaks with it; a built-in alias with its speaker
+        let some = voices(&["nova", "ryan"]);
+        assert!(!fallback("nova", &some));
+        assert!(!fallback("echo", &some), "echo is the built-in alias of ryan");
+        assert!(fallback("fable", &some), "fable's aiden is not in this bundle");
+        assert!(fallback("ash", &some));
     }
 
     /// One raw HTTP/1.1 exchange with `server`; the answer's status line and body.

@@ -42,7 +42,7 @@ pub mod zeroconf;
 
 pub use cancel::{Cancel, Stop};
 pub use device::{DeviceHealth, NoDevice};
-pub use front::{Front, FrontSettings, RequestError, Slot, VoiceInfo};
+pub use front::{Alias, AliasError, Aliases, Front, FrontSettings, Listed, RequestError, Slot, VoiceInfo};
 pub use live::{Live, LiveSettings, Reloadable};
 pub use output::{AtomicFile, OutputSettings, Target, write_atomic};
 pub use queue::{JobHandle, Outcome, Perform, Queue, Refused};

@@ -1,13 +1,14 @@
 //! The settings `herald serve` may change while it runs (SIGHUP, docs/reliability.md
-//! "Signals"): the voice of a request that names none, the shaping and ALSA settings of each
-//! new output, the amplifier line's lead, and the longest text a network request may carry
-//! ([`Live`]); and, each in its own [`Reloadable`], the network servers' limits and timeouts.
+//! "Signals"): the voice of a request that names none, the voice aliases, the shaping and ALSA
+//! settings of each new output, the amplifier line's lead, and the longest text a network
+//! request may carry ([`Live`]); and, each in its own [`Reloadable`], the network servers' limits and timeouts.
 //! Every job reads them when it is made, so a change applies from the next job on; the one in
 //! progress keeps what it began with.
 
 use std::sync::{Arc, PoisonError, RwLock};
 use std::time::Duration;
 
+use crate::front::Aliases;
 use crate::output::OutputSettings;
 use crate::speaker::Voice;
 
@@ -16,6 +17,9 @@ use crate::speaker::Voice;
 pub struct LiveSettings {
     /// The voice of a request that does not name one.
     pub voice: Voice,
+    /// The voice aliases (`[voices.aliases]` over the built-in ones), checked against the
+    /// bundle.
+    pub aliases: Aliases,
     /// Gain, silences and fades of each output, and the ALSA device it plays on.
     pub output: OutputSettings,
     /// The longest text a network request may carry, characters (`serve.max_text_chars`).

@@ -5,9 +5,12 @@
 //! "data_length"?, "payload_length"?, "version"?}` and a newline, then `data_length` bytes of
 //! JSON merged into `data`, then `payload_length` bytes of binary payload. Events handled:
 //!
-//! - `describe` → `info` with one `tts` program, its voices the bundle's speakers (languages as
-//!   ISO 639-1 codes, [`crate::front::LANGUAGE_CODES`]) and `supports_synthesize_streaming`;
-//! - `synthesize` {text, voice?{name, language, speaker}} → `audio-start` {rate 24000, width 2,
+//! - `describe` → `info` with one `tts` program, its voices the bundle's speakers, then the
+//!   voice aliases (their `description` says what each stands for: `echo: another name for
+//!   ryan (…)`), languages as ISO 639-1 codes ([`crate::front::LANGUAGE_CODES`]), and
+//!   `supports_synthesize_streaming`;
+//! - `synthesize` {text, voice?{name, language, speaker}} (`name`: a speaker, an alias or
+//!   `default`, in any case, [`crate::front::resolve_voice`]) → `audio-start` {rate 24000, width 2,
 //!   channels 1}, `audio-chunk`s (S16LE, as the engine produces them, at most
 //!   [`CHUNK_SAMPLES`] samples each), `audio-stop`; the whole text is one job, so the PCM
 //!   equals `herald speak --raw` of the same text, voice and seed;
@@ -973,11 +976,12 @@ fn client_gone(stream: &TcpStream) -> bool {
     }
 }
 
-/// The `info` event's data: one `tts` program with the bundle's voices.
+/// The `info` event's data: one `tts` program with the bundle's voices and the aliases
+/// ([`Front::listing`]).
 fn info(front: &Front) -> Value {
     let attribution = json!({"name": "Qwen team, Alibaba Cloud (Qwen3-TTS); herald", "url": "https://github.com/QwenLM/Qwen3-TTS"});
     let voices: Vec<Value> = front
-        .voices()
+        .listing()
         .iter()
         .map(|v| {
             let mut codes: Vec<&str> = v.languages.iter().map(|l| language_code(l)).collect();
@@ -988,7 +992,11 @@ fn info(front: &Front) -> Value {
                 "name": v.name,
                 "attribution": attribution,
                 "installed": true,
-                "description": format!("{} ({})", v.name, front.model()),
+                "description": match v.alias_of.as_deref() {
+                    None => format!("{} ({})", v.name, front.model()),
+                    Some(crate::front::DEFAULT_VOICE) => format!("{}: the configured voice ({})", v.name, front.model()),
+                    Some(to) => format!("{}: another name for {to} ({})", v.name, front.model()),
+                },
                 "version": null,
                 "languages": codes,
                 "speakers": null,

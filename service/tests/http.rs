@@ -3,7 +3,9 @@
 //! client that goes away cancels its job, also while it waits in the queue; one that takes no
 //! audio has its job cancelled and its connection closed; one that only shuts down its sending
 //! side gets all its audio; a full queue answers busy and nothing interleaves; the stop ends a
-//! stream cleanly; OpenAI's voice names mean the configured voice; every format (mp3, the
+//! stream cleanly; OpenAI's voice names that are no alias mean the configured voice; an alias
+//! speaks exactly as its speaker, `GET /v1/audio/voices` lists it, and an unknown voice is a 400
+//! naming the voices and aliases; every format (mp3, the
 //! default, flac, wav) decodes with ffmpeg to the pcm answer's samples, within each codec's
 //! frame and SNR floor. (tests/net/test_http.py drives `herald serve` with the `openai`
 //! client and curl.)
@@ -19,7 +21,7 @@ use std::time::{Duration, Instant};
 
 use engine::EngineSettings;
 use service::http::{HttpServer, HttpSettings};
-use service::{Front, FrontSettings, OutputSettings, Reading, Seeding, Slot, Speaker, SpeakerSettings, Stop, Voice};
+use service::{Aliases, Front, FrontSettings, OutputSettings, Reading, Seeding, Slot, Speaker, SpeakerSettings, Stop, Voice};
 
 /// The tiny bundle: from HERALD_TEST_BUNDLES (scripts/test exports it), else exported once
 /// into the target's temporary folder.
@@ -82,7 +84,12 @@ fn serve_with(queue_length: usize, request_timeout: Duration) -> Served {
     };
     let engine = EngineSettings { kv_capacity: 1024, ..EngineSettings::default() };
     let speaker = Speaker::prepare(settings, stop.clone()).unwrap().load(&bundle(), &engine).unwrap();
-    let front = Front::start(speaker, &FrontSettings { queue_length, max_text_chars: 4096 }).unwrap();
+    // `[voices.aliases]`: kitchen = "vivian", Hall = "default"; and the built-in ones
+    let (voices, _) = service::front::catalog(&speaker.engine().bundle().manifest);
+    let user: std::collections::BTreeMap<String, String> =
+        [("kitchen", "vivian"), ("Hall", "default")].map(|(a, v)| (a.to_owned(), v.to_owned())).into();
+    let aliases = Aliases::new(&voices, &user).unwrap();
+    let front = Front::start(speaker, &FrontSettings { queue_length, max_text_chars: 4096, aliases }).unwrap();
     let slot = Slot::new();
     slot.fill(front).unwrap();
     let listener = TcpListener::bind("127.0.0.1:0").unwrap();
@@ -219,7 +226,10 @@ fn speech_streams_the_raw_sinks_samples_as_they_are_made() {
     assert_eq!(u32::from_le_bytes(wav.body[24..28].try_into().unwrap()), 24_000);
     assert!(wav.body[44..] == direct[..]);
 
-    // OpenAI's voices, which the bundle does not have, are the configured voice
+    // OpenAI's voices that are neither speakers nor aliases (alloy's sohee is not in the tiny
+    // bundle) are the configured voice; so is an alias of `default`
+    let hall = speech(s.addr(), &format!(r#"{{"input":"{TEXT}","voice":"hall","response_format":"pcm"}}"#));
+    assert!(hall.status == 200 && hall.body == direct, "{}", hall.text());
     let alloy = speech(s.addr(), &format!(r#"{{"model":"tts-1","input":"{TEXT}","voice":"alloy","response_format":"pcm"}}"#));
     assert_eq!(alloy.status, 200, "{}", alloy.text());
     assert!(alloy.body == direct);
@@ -345,6 +355,59 @@ fn bad_requests_name_their_problem_and_the_server_goes_on() {
     assert_eq!(v["data"][0]["id"], s.front().model());
     let ok = speech(s.addr(), r#"{"input":"Fine.","response_format":"pcm"}"#);
     assert_eq!(ok.status, 200);
+}
+
+/// `GET path` on `addr`: the answer.
+fn get(addr: SocketAddr, path: &str) -> Answer {
+    let t0 = Instant::now();
+    let mut c = TcpStream::connect(addr).unwrap();
+    write!(c, "GET {path} HTTP/1.1\r\nHost: x\r\n\r\n").unwrap();
+    read_answer(c, t0)
+}
+
+#[test]
+fn an_alias_speaks_as_its_speaker_and_is_listed_and_unknown_voices_name_the_aliases() {
+    let s = serve(2);
+    let pcm = |voice: &str| {
+        let a = speech(s.addr(), &format!(r#"{{"input":"Good evening.","voice":"{voice}","response_format":"pcm"}}"#));
+        assert_eq!(a.status, 200, "{voice}: {}", a.text());
+        assert!(a.complete && a.body.len() > 4800, "{voice}: {} bytes", a.body.len());
+        a.body
+    };
+    // the configuration's alias, in any case, and a built-in one: sample for sample the same as
+    // their speakers (one seed), and not the configured voice's
+    let vivian = pcm("vivian");
+    assert!(pcm("kitchen") == vivian && pcm("KITCHEN") == vivian, "kitchen is vivian");
+    assert!(pcm("Nova") == vivian, "the built-in nova is vivian");
+    assert!(pcm("default") != vivian, "the configured voice (no speaker) differs from vivian");
+
+    let listed = get(s.addr(), "/v1/audio/voices");
+    assert_eq!((listed.status, listed.header("content-type")), (200, Some("application/json")), "{}", listed.text());
+    let v: serde_json::Value = serde_json::from_slice(&listed.body).unwrap();
+    let voices = v["voices"].as_array().unwrap();
+    let ids: Vec<&str> = voices.iter().map(|v| v["id"].as_str().unwrap()).collect();
+    // the tiny bundle's speakers, then the aliases by name: the built-in ones whose speakers it
+    // has (alloy's sohee, fable's aiden and onyx's uncle_fu it has not)
+    assert_eq!(ids, ["dylan", "eric", "ryan", "serena", "vivian", "echo", "Hall", "kitchen", "nova", "shimmer"]);
+    let by_id = |id: &str| voices.iter().find(|v| v["id"] == id).unwrap();
+    assert_eq!(by_id("ryan")["alias_of"], serde_json::Value::Null);
+    assert_eq!((by_id("kitchen")["alias_of"].as_str(), by_id("kitchen")["name"].as_str()), (Some("vivian"), Some("kitchen (vivian)")));
+    assert_eq!(by_id("echo")["alias_of"], "ryan");
+    assert_eq!(by_id("shimmer")["alias_of"], "serena");
+    assert_eq!(by_id("Hall")["alias_of"], "default");
+    assert_eq!(by_id("kitchen")["languages"], by_id("vivian")["languages"]);
+    assert_eq!(by_id("dylan")["languages"], serde_json::json!(["beijing_dialect"]));
+
+    // an unknown voice: 400 naming `voice`, the name and what is allowed, aliases included
+    let a = speech(s.addr(), r#"{"input":"Hi.","voice":"kitchn"}"#);
+    assert_eq!(a.status, 400, "{}", a.text());
+    let e: serde_json::Value = serde_json::from_slice(&a.body).unwrap();
+    assert_eq!((e["error"]["param"].as_str(), e["error"]["type"].as_str()), (Some("voice"), Some("invalid_request_error")));
+    let message = e["error"]["message"].as_str().unwrap();
+    for want in ["\"kitchn\"", "default, dylan, eric, ryan, serena, vivian", "kitchen (vivian)", "echo (ryan)", "Hall (default)"] {
+        assert!(message.contains(want), "{want} not in: {message}");
+    }
+    assert_eq!(pcm("kitchen"), vivian, "the server goes on");
 }
 
 /// Read what `s` gives until EOF, an error or `limit` bytes: (bytes, how it ended).

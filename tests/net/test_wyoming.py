@@ -2,8 +2,8 @@
 
 Runs `herald serve` on the tiny bundle with the Wyoming server on a kernel-chosen loopback port
 and checks, with `wyoming.client.AsyncTcpClient` and raw sockets for the misbehaving clients:
-describe/info, synthesize (the PCM equals `herald speak --raw` of the same text, voice and seed,
-sample for sample), the streaming events (one audio-start/stop per sentence, each sentence's
+describe/info (the speakers, then the voice aliases), synthesize (the PCM equals `herald speak
+--raw` of the same text, voice and seed, sample for sample; an alias's equals its speaker's), the streaming events (one audio-start/stop per sentence, each sentence's
 PCM equal to speaking it alone), errors that keep the connection, framing faults that close it,
 slow and vanishing clients, eight clients at once against a queue of two, and SIGTERM mid-stream.
 
@@ -42,7 +42,7 @@ def config(tmp: Path, **serve) -> Path:
             "request_timeout_s": REQUEST_TIMEOUT_S, "idle_timeout_s": 30}
     keys.update(serve)
     lines = ["[serve]"] + [f"{k} = {json.dumps(v)}" for k, v in keys.items()]
-    lines += ["[synthesis]", f"seed = {SEED}", "[audio]", 'device = "null"',
+    lines += ["[synthesis]", f"seed = {SEED}", "[voices.aliases]", 'Kitchen = "vivian"', "[audio]", 'device = "null"',
               "[runtime]", f'graph_cache_dir = "{tmp / "cache"}"', f'calibration_dir = "{tmp / "cal"}"']
     p = tmp / "herald.toml"
     p.write_text("\n".join(lines) + "\n")
@@ -124,7 +124,7 @@ async def synthesize(port: int, text: str, voice: SynthesizeVoice | None = None)
         return await collect(c)
 
 
-def test_describe_lists_the_bundles_speakers_and_streaming(server):
+def test_describe_lists_the_bundles_speakers_the_aliases_and_streaming(server):
     async def go():
         async with AsyncTcpClient("127.0.0.1", server.port) as c:
             await c.write_event(Describe().event())
@@ -137,10 +137,16 @@ def test_describe_lists_the_bundles_speakers_and_streaming(server):
     bundle = (BUNDLE / "bundle.toml").read_text()
     speakers = re.search(r"\[speakers\]\n((?:\w+ = \d+\n)+)", bundle).group(1)
     names = sorted(line.split(" = ")[0] for line in speakers.strip().splitlines())
-    assert sorted(v.name for v in tts.voices) == names
+    # the speakers, then the aliases: the configuration's and the built-in ones whose speakers
+    # the tiny bundle has (not alloy's sohee, fable's aiden, onyx's uncle_fu)
+    assert [v.name for v in tts.voices] == names + ["echo", "Kitchen", "nova", "shimmer"]
     voices = {v.name: v.languages for v in tts.voices}
     assert voices["dylan"] == ["zh"], "a dialect speaker speaks its dialect (Chinese)"
     assert "en" in voices["ryan"] and "zh" in voices["ryan"]
+    described = {v.name: v.description for v in tts.voices}
+    assert described["Kitchen"].startswith("Kitchen: another name for vivian ("), described["Kitchen"]
+    assert described["echo"].startswith("echo: another name for ryan ("), described["echo"]
+    assert voices["Kitchen"] == voices["vivian"]
 
 
 def test_synthesize_equals_speak_raw_sample_for_sample(server):
@@ -156,6 +162,17 @@ def test_synthesize_equals_speak_raw_sample_for_sample(server):
     # language as a BCP 47 tag and the speaker under voice.speaker give the same request
     _, pcm2 = asyncio.run(synthesize(server.port, text, SynthesizeVoice(speaker="ryan", language="en-US")))
     assert len(pcm2) > 0
+
+
+def test_an_alias_speaks_exactly_as_its_speaker(server):
+    text = "Good evening from the kitchen."
+    _, vivian = asyncio.run(synthesize(server.port, text, SynthesizeVoice(name="vivian")))
+    _, kitchen = asyncio.run(synthesize(server.port, text, SynthesizeVoice(name="kitchen")))
+    _, nova = asyncio.run(synthesize(server.port, text, SynthesizeVoice(name="NOVA")))
+    assert len(vivian) > 0
+    assert kitchen == vivian, "the configuration's alias (any case) is vivian"
+    assert nova == vivian, "the built-in nova is vivian"
+    assert kitchen == speak_raw(text, "vivian"), "and equals herald speak --raw with vivian"
 
 
 def test_streaming_speaks_each_sentence_as_it_completes(server):
@@ -215,6 +232,7 @@ def test_bad_requests_get_an_error_and_the_connection_stays_usable(server):
     assert "nothing to say" in errors[7].text, errors[7].text  # punctuation alone: no letter or digit
     assert "voice" in errors[5].text and "voice.name" in errors[6].text
     assert "nobody" in errors[0].text and "ryan" in errors[0].text, errors[0].text
+    assert "aliases: echo (ryan), Kitchen (vivian)" in errors[0].text, errors[0].text
     assert "4096" in errors[2].text and "serve.max_text_chars" in errors[2].text
     assert "klingon" in errors[3].text
     assert Info.is_type(out[8].type), "the connection still answers"

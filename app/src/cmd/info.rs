@@ -1,4 +1,5 @@
-//! `herald info`: a bundle's model facts, graphs, speakers and languages, and a memory estimate.
+//! `herald info`: a bundle's model facts, graphs, speakers, voice aliases and languages, and a
+//! memory estimate.
 
 use std::io::Write;
 use std::path::{Path, PathBuf};
@@ -34,7 +35,15 @@ pub fn run(config: Option<&Path>, a: InfoArgs) -> Result<(), Failure> {
             bytes as f64 / 1e6
         );
     }
-    match print_info(&dir, &m) {
+    // the configuration's aliases with this bundle: listed, or what is wrong with them
+    let aliases = match crate::speaker::aliases(&cfg, &service::front::catalog(&m).0) {
+        Ok(a) if a.is_empty() => "(none)".to_owned(),
+        Ok(a) => {
+            a.iter().map(|a| format!("{} → {}", a.name, a.speaker.as_deref().unwrap_or("default"))).collect::<Vec<_>>().join(", ")
+        }
+        Err(e) => format!("(not usable: {e})"),
+    };
+    match print_info(&dir, &m, &aliases) {
         Err(e) if e.kind() != std::io::ErrorKind::BrokenPipe => Err(fail(exit::BUG, e)),
         _ => Ok(()),
     }
@@ -52,7 +61,7 @@ pub fn verify(dir: &Path, m: &engine::Manifest) -> Result<Vec<engine::Verified>,
     Ok(files)
 }
 
-fn print_info(dir: &Path, m: &engine::Manifest) -> std::io::Result<()> {
+fn print_info(dir: &Path, m: &engine::Manifest, aliases: &str) -> std::io::Result<()> {
     let mut o = std::io::stdout().lock();
     writeln!(o, "bundle      {}", dir.display())?;
     writeln!(
@@ -107,6 +116,7 @@ fn print_info(dir: &Path, m: &engine::Manifest) -> std::io::Result<()> {
     };
     writeln!(o, "languages   auto, {}", names(&m.languages))?;
     writeln!(o, "speakers    {}", names(&m.speakers))?;
+    writeln!(o, "aliases     {aliases}")?;
     let mut total = 0u64;
     for (name, g) in &m.graphs {
         // the weights' bytes as the exporter counted them; older bundles: the file and its

@@ -142,6 +142,8 @@ pub fn run(config: Option<&Path>, args: ServeArgs) -> Result<(), Failure> {
     if cfg.model.verify {
         crate::cmd::info::verify(dir, &manifest)?;
     }
+    // The voice aliases fit the bundle, or herald stops before the model loads.
+    let aliases = crate::speaker::aliases(&cfg, &service::front::catalog(&manifest).0).map_err(|e| fail(exit::INPUT, e))?;
     // The board, as `speak` sees it: thread placement, memory, the calibrated ramp.
     let tuned = crate::tuning::tune(&cfg, dir, &manifest)?;
     tuned.log();
@@ -152,11 +154,11 @@ pub fn run(config: Option<&Path>, args: ServeArgs) -> Result<(), Failure> {
     let mut speaker = preparing.load_with_fallback(dir, &tuned.settings, chosen.backend.as_ref(), chosen.fallback.as_deref())?;
     tuned.attach(&mut speaker, &manifest, dir, crate::tuning::AUTO_CALIBRATION_UTTERANCES);
     let sample_rate = speaker.sample_rate();
-    let front_settings = FrontSettings { queue_length: cfg.serve.queue_length, max_text_chars: cfg.serve.max_text_chars };
+    let front_settings = FrontSettings { queue_length: cfg.serve.queue_length, max_text_chars: cfg.serve.max_text_chars, aliases };
     let mut front = Front::start(speaker, &front_settings)
         .map_err(|e| fail(exit::BUG, anyhow::Error::new(e).context("cannot start the speaker")))?;
     // A language or speaker the bundle lacks would fail every line: refuse to start instead.
-    front.bundle_voice(&front.live().get().voice).map_err(|e| fail(exit::INPUT, e))?;
+    front.bundle_voice(&front.live().get().voice, &front.aliases()).map_err(|e| fail(exit::INPUT, e))?;
     if let Some(d) = &device {
         front.watch_device(d.clone());
     }
@@ -407,9 +409,9 @@ fn check_api_key(cfg: &ServeConfig, http: Option<SocketAddr>, origin: &str) -> a
 
 /// The keys a SIGHUP applies to the running service (docs/reliability.md "Signals"): the
 /// shaping and ALSA settings of each new output, the voice of a request that names none, the
-/// text front-end (`[text]`; the replacement file is read again), the amplifier line's lead,
-/// the longest text a network request may carry, and the network servers' limits, timeouts and
-/// API key. Every other key needs a restart (the amplifier's chip, line and level: the line is
+/// voice aliases, the text front-end (`[text]`; the replacement file is read again), the
+/// amplifier line's lead, the longest text a network request may carry, and the network
+/// servers' limits, timeouts and API key. Every other key needs a restart (the amplifier's chip, line and level: the line is
 /// held open; the addresses: the sockets are bound).
 pub const RELOADABLE: &[&str] = &[
     "audio.device",
@@ -426,6 +428,7 @@ pub const RELOADABLE: &[&str] = &[
     "synthesis.sampling",
     "synthesis.seed",
     "synthesis.speed",
+    "voices.aliases",
     "text.markdown",
     "text.emoji",
     "text.code",
@@ -500,7 +503,14 @@ impl Reloading {
                 log::error!("SIGHUP: {e}; nothing was changed");
                 return;
             }
-            let voice = match front.bundle_voice(&settings.voice) {
+            let aliases = match crate::speaker::aliases(&new, front.voices()) {
+                Ok(a) => a,
+                Err(e) => {
+                    log::error!("SIGHUP: {e}; nothing was changed");
+                    return;
+                }
+            };
+            let voice = match front.bundle_voice(&settings.voice, &aliases) {
                 Ok(v) => v,
                 Err(e) => {
                     log::error!("SIGHUP: {e}; nothing was changed");
@@ -508,7 +518,13 @@ impl Reloading {
                 }
             };
             let amp_lead = Some(Duration::from_millis(new.amplifier.lead_ms.into()));
-            front.live().set(LiveSettings { voice, output: settings.output, max_text_chars: new.serve.max_text_chars, amp_lead });
+            front.live().set(LiveSettings {
+                voice,
+                aliases,
+                output: settings.output,
+                max_text_chars: new.serve.max_text_chars,
+                amp_lead,
+            });
             if let Some(d) = &self.device {
                 d.set_device(&new.audio.device);
             }

@@ -32,7 +32,7 @@ pub struct SpeakArgs {
     /// ALSA playback PCM (overrides audio.device), e.g. `default`, `plughw:1,0`.
     #[arg(long, value_name = "PCM")]
     device: Option<String>,
-    /// Speaker name from the bundle (see `herald info`).
+    /// Speaker name from the bundle, or a voice alias (see `herald info`).
     #[arg(long)]
     speaker: Option<String>,
     /// Language from the bundle, or `auto`.
@@ -208,8 +208,9 @@ fn speak(cfg: &Config, text: &str, out: Option<&str>, raw: bool) -> Result<(), F
     if cfg.model.verify {
         crate::cmd::info::verify(dir, &manifest)?;
     }
-    // `--language en`, `--speaker default`: the words HTTP and Wyoming take, too
-    service::front::in_bundle_words(&manifest, &mut request);
+    // `--language en`, `--speaker default`, an alias: the words HTTP and Wyoming take, too
+    let aliases = crate::speaker::aliases(cfg, &service::front::catalog(&manifest).0).map_err(|e| fail(exit::INPUT, e))?;
+    service::front::in_bundle_words(&manifest, &aliases, &mut request);
     let rate = manifest.audio.sample_rate;
     // The board: thread placement, memory (a bundle that cannot fit is refused here), ramp.
     let tuned = tuning::tune(cfg, dir, &manifest)?;
