@@ -404,6 +404,8 @@ pub struct Job {
     on_chunk: Option<OnChunk>,
     /// The amplifier's lead for this job (a reloaded `amplifier.lead_ms`); `None`: as it is.
     amp_lead: Option<Duration>,
+    /// Whether its rates count in what the speaker learns ([`Job::unmeasured`]).
+    measured: bool,
 }
 
 impl std::fmt::Debug for Job {
@@ -415,7 +417,15 @@ impl std::fmt::Debug for Job {
 impl Job {
     /// A job speaking `request` into `target`.
     pub fn new(request: Request, target: Target) -> Self {
-        Job { request, target, cancel: Cancel::new(), on_begin: None, on_chunk: None, amp_lead: None }
+        Job { request, target, cancel: Cancel::new(), on_begin: None, on_chunk: None, amp_lead: None, measured: true }
+    }
+
+    /// Leave this job out of what the speaker learns from its utterances ([`Learned`]: the start
+    /// policy's rates and the automatic calibration): for the start-up self-test
+    /// ([`crate::selftest`]), which runs cold and is cut at a few frames.
+    pub fn unmeasured(mut self) -> Self {
+        self.measured = false;
+        self
     }
 
     /// Enable the amplifier line `lead` before this job's first sample (and every later job's,
@@ -537,7 +547,7 @@ impl Speaker {
     /// # Errors
     /// [`JobError`]; the speaker stays usable.
     pub fn speak(&mut self, job: Job) -> Result<Spoken, JobError> {
-        let Job { request, target, cancel, on_begin, mut on_chunk, amp_lead } = job;
+        let Job { request, target, cancel, on_begin, mut on_chunk, amp_lead, measured } = job;
         if let (Some(lead), Some(amp)) = (amp_lead, self.amp.as_mut()) {
             amp.set_lead(lead);
         }
@@ -554,7 +564,8 @@ impl Speaker {
         let engine = &self.engine;
         let pause = (self.settings.reading.pause.as_secs_f64() * f64::from(rate)).round() as usize;
         let gate = (plays && self.settings.start.policy == StartPolicy::PlayThrough).then(|| Gate::new(self, Instant::now()));
-        let learned = &mut self.learned;
+        let mut unmeasured = Learned::default();
+        let learned = if measured { &mut self.learned } else { &mut unmeasured };
         let play = |sink: &mut (dyn AudioSink + Send)| -> Result<Spoken, JobError> {
             sink.begin(rate)?;
             if let Some(f) = on_begin {
