@@ -187,9 +187,12 @@ pub fn run(config: Option<&Path>, args: ServeArgs) -> Result<(), Failure> {
     }
     let Some(front) = slot.get() else { return Err(fail(exit::BUG, anyhow::anyhow!("the speaker's slot is empty"))) };
     if crate::STOP.is_stopped() {
-        // SIGTERM while the model loaded: never say ready, stop at once (clients waiting in the
-        // Wyoming backlog see the connection closed)
-        log::info!("stopping on {} before ready (it came while the model loaded)", crate::signals::stopped_by().unwrap_or("a signal"));
+        // SIGTERM while the model loaded or during the self-test: never say ready, stop at once
+        // (clients waiting in the Wyoming backlog see the connection closed)
+        log::info!(
+            "stopping on {} before ready (it came while the model loaded or spoke its self-test)",
+            crate::signals::stopped_by().unwrap_or("a signal")
+        );
         notify(&[NotifyState::Stopping]);
         servers.shutdown(SHUTDOWN_GRACE);
         return Ok(());
