@@ -547,8 +547,8 @@ fn serve_help_names_every_server_its_flag_default_and_docs() {
     }
 }
 
-/// Every datagram as it came, until the one holding `line` (or `timeout`); `None` when it did
-/// not come.
+/// Every datagram as it came, until the one holding `line` or for `timeout`, and whether that
+/// one came.
 fn datagrams_until(rx: &mpsc::Receiver<String>, line: &str, timeout: Duration) -> (Vec<String>, bool) {
     let end = Instant::now() + timeout;
     let mut got = Vec::new();
