@@ -73,15 +73,19 @@ impl From<ServiceError> for Failure {
     }
 }
 
+/// The exit code of a job's error: the engine's or the sink's, 130 for a cancel, 1 for a panic.
+pub fn job_code(e: &JobError) -> u8 {
+    match e {
+        JobError::Engine(e) => engine_code(e),
+        JobError::Sink(s) => sink_code(s),
+        JobError::Cancelled => INTERRUPTED,
+        JobError::Panicked(_) => BUG,
+    }
+}
+
 impl From<JobError> for Failure {
     fn from(e: JobError) -> Self {
-        let code = match &e {
-            JobError::Engine(e) => engine_code(e),
-            JobError::Sink(s) => sink_code(s),
-            JobError::Cancelled => INTERRUPTED,
-            JobError::Panicked(_) => BUG,
-        };
-        fail(code, e)
+        fail(job_code(&e), e)
     }
 }
 

@@ -558,3 +558,149 @@ fn serve_help_names_every_server_its_flag_default_and_docs() {
         assert!(help.contains(needle), "serve --help lacks {needle}:\n{help}");
     }
 }
+
+/// Every datagram as it came, until the one holding `line` or for `timeout`, and whether that
+/// one came.
+fn datagrams_until(rx: &mpsc::Receiver<String>, line: &str, timeout: Duration) -> (Vec<String>, bool) {
+    let end = Instant::now() + timeout;
+    let mut got = Vec::new();
+    while let Ok(msg) = rx.recv_timeout(end.saturating_duration_since(Instant::now())) {
+        let hit = msg.lines().any(|l| l == line);
+        got.push(msg);
+        if hit {
+            return (got, true);
+        }
+    }
+    (got, false)
+}
+
+/// The index of the first datagram with a line starting with `prefix`.
+fn first(datagrams: &[String], prefix: &str) -> Option<usize> {
+    datagrams.iter().position(|m| m.lines().any(|l| l.starts_with(prefix)))
+}
+
+/// A copy of the tiny bundle whose tables (`tables.safetensors`: the embeddings) hold `0xFF`
+/// after their header, as an erased flash page reads: NaN as float32. The length and the header
+/// are intact, and the tables carry no checksum, so the bundle loads (docs/reliability.md, "A
+/// damaged or changing bundle") and the talker's first step fails.
+fn bundle_that_cannot_speak(d: &Path) -> PathBuf {
+    let out = d.join("erased");
+    std::fs::create_dir_all(&out).unwrap();
+    for e in std::fs::read_dir(bundle()).unwrap() {
+        let e = e.unwrap();
+        std::fs::copy(e.path(), out.join(e.file_name())).unwrap();
+    }
+    let tables = out.join("tables.safetensors");
+    let mut b = std::fs::read(&tables).unwrap();
+    let header = 8 + u64::from_le_bytes(b[..8].try_into().unwrap()) as usize;
+    assert!(header < b.len());
+    b[header..].fill(0xFF);
+    std::fs::write(&tables, &b).unwrap();
+    out
+}
+
+/// The environment of a serve that would announce itself: Wyoming on every address (Zeroconf
+/// `auto` announces only then) with the announcement on a private mDNS port, and systemd's
+/// notify socket at the abstract `name`.
+fn announcing_env(name: &str, mdns_port: u16) -> Vec<(&'static str, String)> {
+    vec![
+        ("NOTIFY_SOCKET", format!("@{name}")),
+        ("HERALD_SERVE_WYOMING", "tcp://0.0.0.0:0".to_owned()),
+        ("HERALD_TEST_MDNS_PORT", mdns_port.to_string()),
+    ]
+}
+
+fn abstract_socket(name: &str) -> mpsc::Receiver<String> {
+    use std::os::linux::net::SocketAddrExt;
+    let addr = SocketAddr::from_abstract_name(name.as_bytes()).unwrap();
+    listen(UnixDatagram::bind_addr(&addr).unwrap())
+}
+
+/// Issue 39, "prove before announcing": the self-test's sentence is spoken after the load and
+/// before READY=1 (the notify socket's datagrams are in order), and its log line comes before
+/// the Wyoming server starts, before the Zeroconf announcement and before the ready line. The
+/// audio device is missing, which is a warning at start and no matter to the self-test.
+#[test]
+fn the_self_test_speaks_before_ready_wyoming_and_zeroconf() {
+    let b = bundle();
+    let d = tmp("self-test-order");
+    let conf = no_device_conf(&d);
+    let name = format!("herald-selftest-ok-{}", std::process::id());
+    let rx = abstract_socket(&name);
+    let mut env = announcing_env(&name, 25391);
+    env.push(("ALSA_CONFIG_PATH", conf.to_str().unwrap().to_owned()));
+    let env: Vec<(&str, &str)> = env.iter().map(|(k, v)| (*k, v.as_str())).collect();
+    let mut child = command(&["serve", "--bundle", b.to_str().unwrap(), "--fifo", "off"], &env).spawn().unwrap();
+    let _guard = common::KillOnDrop(child.id());
+    let mut err = StderrTail::new(&mut child);
+    let (got, ready) = datagrams_until(&rx, "READY=1", Duration::from_secs(300));
+    assert!(ready, "no READY=1: {got:?}");
+    let loading = first(&got, "STATUS=loading bundle").unwrap_or_else(|| panic!("{got:?}"));
+    let proving = first(&got, "STATUS=self-test: speaking \"Hello.\" into a null sink").unwrap_or_else(|| panic!("{got:?}"));
+    let announced = first(&got, "READY=1").unwrap();
+    assert!(loading < proving && proving < announced, "loading, self-test, ready in this order: {got:?}");
+
+    let ready_line = err.wait_for("ready;", "\0", Duration::from_secs(60));
+    assert!(ready_line.contains("Wyoming on tcp://0.0.0.0:"), "{ready_line}");
+    let seen = err.seen.clone();
+    let at =
+        |needle: &str| seen.iter().position(|l| l.contains(needle)).unwrap_or_else(|| panic!("no {needle:?}:\n{}", seen.join("\n")));
+    let passed = at("self-test passed: spoke \"Hello.\" into a null sink");
+    // the tiny model never says eos: the self-test's frame cap ends it
+    assert!(seen[passed].contains(": 16 frames (1.28 s of audio) in ") && seen[passed].contains("RTF "), "{}", seen[passed]);
+    // the announcement, or its warning where this machine has no multicast interface
+    let (wyoming, zeroconf, ready) = (at("wyoming: listening on tcp://"), at("zeroconf: "), at("ready;"));
+    assert!(at("audio device 'default'") < passed, "the missing device is a warning before the self-test");
+    assert!(at("loaded by tract") < passed && passed < wyoming && wyoming < zeroconf && zeroconf < ready, "{}", seen.join("\n"));
+    sigterm(&child);
+    let o = wait_exit(child, Duration::from_secs(30));
+    assert_eq!(o.status.code(), Some(0), "{}", seen.join("\n"));
+}
+
+/// A bundle that loads but cannot speak (its tables erased in place): the self-test fails, herald
+/// exits 4 with one line naming the bundle and the reason, and never says READY=1, never starts
+/// the Wyoming server nor announces it, never logs ready, and leaves no FIFO. With
+/// `serve.self_test = false` the same bundle is announced ready and fails its first line: what
+/// the self-test is for.
+#[test]
+fn a_bundle_that_loads_but_cannot_speak_fails_the_self_test_and_announces_nothing() {
+    let d = tmp("self-test-fails");
+    let bad = bundle_that_cannot_speak(&d);
+    let bs = bad.to_str().unwrap();
+    let fifo = d.join("say");
+    let name = format!("herald-selftest-bad-{}", std::process::id());
+    let rx = abstract_socket(&name);
+    let env = announcing_env(&name, 25392);
+    let env: Vec<(&str, &str)> = env.iter().map(|(k, v)| (*k, v.as_str())).collect();
+    let o = run(&["serve", "--bundle", bs, "--fifo", fifo.to_str().unwrap()], &env);
+    let e = stderr(&o);
+    common::assert_one_error_line(&o, 4, &format!("the self-test of bundle {bs} failed, so herald did not report ready"));
+    assert!(e.contains("\"Hello.\" could not be spoken: talker: ") && e.contains("non-finite"), "{e}");
+    for never in ["ready;", "wyoming: listening", "zeroconf: ", "self-test passed"] {
+        assert!(!e.contains(never), "{never:?} after a failed self-test:\n{e}");
+    }
+    let (got, ready) = datagrams_until(&rx, "READY=1", Duration::from_millis(500));
+    assert!(!ready, "READY=1 after a failed self-test: {got:?}");
+    assert!(first(&got, "STATUS=self-test: ").is_some(), "{got:?}");
+    assert!(!fifo.exists(), "a failed start leaves no FIFO behind");
+
+    // without the self-test: ready, announced, and the first line fails
+    let mut env = env.clone();
+    env.push(("HERALD_SERVE_SELF_TEST", "false"));
+    let out = d.join("out");
+    std::fs::create_dir_all(&out).unwrap();
+    let mut child = command(&["serve", "--bundle", bs, "--fifo", fifo.to_str().unwrap(), "--out-dir", out.to_str().unwrap()], &env)
+        .spawn()
+        .unwrap();
+    let _guard = common::KillOnDrop(child.id());
+    let mut err = StderrTail::new(&mut child);
+    let (got, ready) = datagrams_until(&rx, "READY=1", Duration::from_secs(300));
+    assert!(ready && first(&got, "STATUS=self-test").is_none(), "{got:?}");
+    err.wait_for("ready;", "\0", Duration::from_secs(60));
+    std::fs::OpenOptions::new().write(true).open(&fifo).unwrap().write_all(b"Hello.\n").unwrap();
+    let failed = err.wait_for("line 1:", "characters", Duration::from_secs(60));
+    assert!(failed.contains("non-finite") && failed.contains("skipped"), "{failed}");
+    sigterm(&child);
+    let o = wait_exit(child, Duration::from_secs(30));
+    assert_eq!(o.status.code(), Some(0), "{}", err.seen.join("\n"));
+}

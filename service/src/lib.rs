@@ -15,6 +15,8 @@
 //! - [`notify`]: systemd's sd_notify(3) and the watchdog; [`output`]: the sinks and atomic file
 //!   writes; [`lookahead`]: the player thread that lets a long text's next segment be computed
 //!   while the last one plays.
+//! - [`selftest`]: the one sentence `herald serve` speaks into a null sink before it says it
+//!   is ready.
 //! - [`text`]: the text front-end every request goes through ([`Voice::request`]): markdown,
 //!   emoji, URLs, punctuation and the user's replacement rules.
 //!
@@ -34,6 +36,7 @@ pub mod lookahead;
 pub mod notify;
 pub mod output;
 pub mod queue;
+pub mod selftest;
 pub mod speaker;
 pub mod stretch;
 pub mod text;

@@ -502,6 +502,8 @@ pub struct Job {
     amp_lead: Option<Duration>,
     /// The job's speaking speed; `None`: the speaker's voice's ([`Voice::speed`]).
     speed: Option<f32>,
+    /// Whether its rates count in what the speaker learns ([`Job::unmeasured`]).
+    measured: bool,
 }
 
 impl std::fmt::Debug for Job {
@@ -513,13 +515,21 @@ impl std::fmt::Debug for Job {
 impl Job {
     /// A job speaking `request` into `target`.
     pub fn new(request: Request, target: Target) -> Self {
-        Job { request, target, cancel: Cancel::new(), on_begin: None, on_chunk: None, amp_lead: None, speed: None }
+        Job { request, target, cancel: Cancel::new(), on_begin: None, on_chunk: None, amp_lead: None, speed: None, measured: true }
     }
 
     /// Speak this job at `speed` (0.25..=4.0, pitch kept: [`crate::stretch`]) instead of the
     /// speaker's voice's.
     pub fn speed(mut self, speed: f32) -> Self {
         self.speed = Some(speed);
+        self
+    }
+
+    /// Leave this job out of what the speaker learns from its utterances ([`Learned`]: the start
+    /// policy's rates and the automatic calibration): for the start-up self-test
+    /// ([`crate::selftest`]), which runs cold and is cut at a few frames.
+    pub fn unmeasured(mut self) -> Self {
+        self.measured = false;
         self
     }
 
@@ -643,7 +653,7 @@ impl Speaker {
     /// # Errors
     /// [`JobError`]; the speaker stays usable.
     pub fn speak(&mut self, job: Job) -> Result<Spoken, JobError> {
-        let Job { request, target, cancel, on_begin, mut on_chunk, amp_lead, speed } = job;
+        let Job { request, target, cancel, on_begin, mut on_chunk, amp_lead, speed, measured } = job;
         if let (Some(lead), Some(amp)) = (amp_lead, self.amp.as_mut()) {
             amp.set_lead(lead);
         }
@@ -660,7 +670,8 @@ impl Speaker {
         let rate = self.sample_rate();
         let engine = &self.engine;
         let gate = (plays && self.settings.start.policy == StartPolicy::PlayThrough).then(|| Gate::new(self, Instant::now()));
-        let learned = &mut self.learned;
+        let mut unmeasured = Learned::default();
+        let learned = if measured { &mut self.learned } else { &mut unmeasured };
         let play = |sink: &mut (dyn AudioSink + Send)| -> Result<Spoken, JobError> {
             sink.begin(rate)?;
             if let Some(f) = on_begin {

@@ -327,3 +327,42 @@ fn a_sentence_pause_puts_exact_silence_after_every_sentence() {
     let pieces = s.plan(&one).unwrap();
     assert!(matches!(pieces.as_slice(), [Piece::Speech(r)] if r.text == one.text));
 }
+
+/// The start-up self-test (`herald serve`, issue 39): "Hello." through the front's queue and
+/// the engine into a null sink, cut at 16 frames (the tiny model never says eos), every sample
+/// a number; after the stop it reports `Stopped`, not a failure.
+#[test]
+fn the_self_test_speaks_its_sentence_through_the_queue() {
+    use service::selftest::{self, SelfTestError};
+    let stop = Stop::new();
+    let front = service::Front::start(
+        speaker(&stop),
+        &service::FrontSettings { queue_length: 1, max_text_chars: 4096, aliases: Default::default() },
+    )
+    .unwrap();
+    let proof = selftest::run(&front).unwrap();
+    assert_eq!(proof.frames, selftest::MAX_FRAMES);
+    assert_eq!((proof.samples, proof.sample_rate), (16 * 1920, 24_000), "16 frames of 1920 samples at 24 kHz");
+    assert!((proof.audio_seconds() - 1.28).abs() < 1e-9);
+    assert!(proof.peak > 0.0 && proof.peak.is_finite(), "sound, not silence: {proof:?}");
+    assert!(proof.ttfa > 0.0 && proof.ttfa <= proof.seconds && proof.rtf().is_finite(), "{proof:?}");
+    stop.stop();
+    assert!(matches!(selftest::run(&front), Err(SelfTestError::Stopped)));
+}
+
+/// A job marked unmeasured (the self-test: cold, and cut short) leaves what the speaker learns
+/// for its start policy and automatic calibration as it was; the same job measured adds one
+/// utterance.
+#[test]
+fn an_unmeasured_job_teaches_the_speaker_nothing() {
+    let stop = Stop::new();
+    let mut s = speaker(&stop);
+    let mut request = s.request("Hello.");
+    request.max_frames = Some(16);
+    s.speak(Job::new(request.clone(), null()).unmeasured()).unwrap();
+    assert_eq!(s.learned().utterances, 0);
+    assert!(s.learned().frames_per_token.is_empty());
+    s.speak(Job::new(request, null())).unwrap();
+    assert_eq!(s.learned().utterances, 1);
+    assert_eq!(s.learned().frames_per_token.len(), 1);
+}

@@ -14,7 +14,8 @@
 //!
 //! This file is the wiring: configuration, start-up order and exit codes. The speaking is the
 //! service crate's [`Speaker`] and its queue, the FIFO reading [`service::fifo`], and the
-//! systemd side ([`service::notify`]) sends `READY=1` once the engine is loaded, `STATUS=…` as it
+//! systemd side ([`service::notify`]) sends `READY=1` once the engine is loaded and has passed
+//! its self-test ([`service::selftest`]: one sentence into a null sink), `STATUS=…` as it
 //! works, `WATCHDOG=1` every half of `$WATCHDOG_USEC` while its work is alive, and `STOPPING=1`
 //! on shutdown.
 
@@ -28,6 +29,7 @@ use service::front::{Front, FrontSettings, Slot};
 use service::http::{HttpReload, HttpServer, HttpSettings};
 use service::listen;
 use service::notify::{Heartbeat, Notifier, NotifyState, Watchdog};
+use service::selftest::{self, SelfTestError};
 use service::wyoming::{WyomingReload, WyomingServer, WyomingSettings};
 use service::zeroconf;
 use service::{DeviceHealth, LiveSettings, Speaker};
@@ -153,6 +155,7 @@ pub fn run(config: Option<&Path>, args: ServeArgs) -> Result<(), Failure> {
     log::info!("{}", chosen.why);
     let mut speaker = preparing.load_with_fallback(dir, &tuned.settings, chosen.backend.as_ref(), chosen.fallback.as_deref())?;
     tuned.attach(&mut speaker, &manifest, dir, crate::tuning::AUTO_CALIBRATION_UTTERANCES);
+    let loaded = t0.elapsed();
     let sample_rate = speaker.sample_rate();
     let front_settings = FrontSettings { queue_length: cfg.serve.queue_length, max_text_chars: cfg.serve.max_text_chars, aliases };
     let mut front = Front::start(speaker, &front_settings)
@@ -161,6 +164,18 @@ pub fn run(config: Option<&Path>, args: ServeArgs) -> Result<(), Failure> {
     front.bundle_voice(&front.live().get().voice, &front.aliases()).map_err(|e| fail(exit::INPUT, e))?;
     if let Some(d) = &device {
         front.watch_device(d.clone());
+    }
+    // Prove before announcing: one sentence through the engine into a null sink, before READY=1,
+    // the Wyoming server, Zeroconf and HTTP's "ready". A bundle that loads but cannot speak
+    // stops here with its exit code, announced nowhere.
+    if cfg.serve.self_test {
+        notify(&[NotifyState::Status(&format!("self-test: speaking {:?} into a null sink", selftest::TEXT))]);
+        match selftest::run(&front) {
+            Ok(proof) => log::info!("self-test passed: {proof}"),
+            // the stop is handled below, like one that came while the model loaded
+            Err(SelfTestError::Stopped) => {}
+            Err(e) => return Err(self_test_failure(e, dir)),
+        }
     }
     let lines = FifoSettings {
         live: front.live().clone(),
@@ -174,9 +189,12 @@ pub fn run(config: Option<&Path>, args: ServeArgs) -> Result<(), Failure> {
     }
     let Some(front) = slot.get() else { return Err(fail(exit::BUG, anyhow::anyhow!("the speaker's slot is empty"))) };
     if crate::STOP.is_stopped() {
-        // SIGTERM while the model loaded: never say ready, stop at once (clients waiting in the
-        // Wyoming backlog see the connection closed)
-        log::info!("stopping on {} before ready (it came while the model loaded)", crate::signals::stopped_by().unwrap_or("a signal"));
+        // SIGTERM while the model loaded or during the self-test: never say ready, stop at once
+        // (clients waiting in the Wyoming backlog see the connection closed)
+        log::info!(
+            "stopping on {} before ready (it came while the model loaded or spoke its self-test)",
+            crate::signals::stopped_by().unwrap_or("a signal")
+        );
         notify(&[NotifyState::Stopping]);
         servers.shutdown(SHUTDOWN_GRACE);
         return Ok(());
@@ -201,7 +219,13 @@ pub fn run(config: Option<&Path>, args: ServeArgs) -> Result<(), Failure> {
     for s in servers.describe() {
         ready.push_str(&format!(", {s}"));
     }
-    log::info!("{ready} (bundle {} loaded in {:.2} s, resident memory {})", dir.display(), t0.elapsed().as_secs_f64(), rss_text());
+    log::info!(
+        "{ready} (bundle {} loaded in {:.2} s, ready {:.2} s after the load began, resident memory {})",
+        dir.display(),
+        loaded.as_secs_f64(),
+        t0.elapsed().as_secs_f64(),
+        rss_text()
+    );
     notify(&[NotifyState::Ready, NotifyState::Status(&ready)]);
     let heartbeat = Heartbeat::new();
     let watchdog = notifier.as_ref().and_then(|n| Watchdog::start(n, &heartbeat));
@@ -308,6 +332,13 @@ fn http_settings(cfg: &ServeConfig) -> HttpSettings {
     }
 }
 
+/// The port the Zeroconf announcement goes out on: [`zeroconf::MDNS_PORT`], or
+/// `HERALD_TEST_MDNS_PORT` (the tests announce on a private port, away from the machine's real
+/// mDNS responders).
+fn mdns_port() -> u16 {
+    std::env::var("HERALD_TEST_MDNS_PORT").ok().and_then(|v| v.parse().ok()).unwrap_or(zeroconf::MDNS_PORT)
+}
+
 impl Servers {
     /// Start the Wyoming server once the model is loaded: until then its clients wait in the
     /// listening socket's backlog (a Wyoming client such as Home Assistant takes an error to
@@ -316,7 +347,7 @@ impl Servers {
         let Some(l) = net.wyoming.take() else { return Ok(()) };
         let w = WyomingServer::start(l, slot.clone(), wyoming_settings(cfg)).map_err(bug("cannot start the Wyoming server"))?;
         if cfg.zeroconf == Zeroconf::Auto && zeroconf::wanted(&w.local_addr()) {
-            match zeroconf::Announcement::start(w.local_addr(), zeroconf::MDNS_PORT) {
+            match zeroconf::Announcement::start(w.local_addr(), mdns_port()) {
                 Ok(a) => self.zeroconf = Some(a),
                 Err(e) => log::warn!("{e}; Home Assistant will not discover herald by itself (add it by host and port)"),
             }
@@ -358,6 +389,20 @@ impl Servers {
             w.finish(deadline);
         }
     }
+}
+
+/// The exit of a failed self-test: the code of what failed (the job's error as `herald speak`
+/// maps it; 4 for a model that made no audio or non-numbers; 2 for a voice or text front-end
+/// that cannot speak the sentence), the message naming the bundle and the key that skips it.
+fn self_test_failure(e: SelfTestError, dir: &Path) -> Failure {
+    let code = match &e {
+        SelfTestError::Job(job) => exit::job_code(job),
+        SelfTestError::Request(_) => exit::INPUT,
+        SelfTestError::NoAudio { .. } | SelfTestError::NotFinite { .. } => exit::BUNDLE,
+        SelfTestError::Stopped => exit::INTERRUPTED,
+    };
+    let context = format!("the self-test of bundle {} failed, so herald did not report ready (serve.self_test)", dir.display());
+    fail(code, anyhow::Error::new(e).context(context))
 }
 
 /// The FIFO of `serve.fifo`: `None` for `off` (any case; a FIFO named `off` is `./off`).
