@@ -220,7 +220,7 @@ pub struct HttpSettings {
     pub request_timeout: Duration,
     /// A connection with no request in progress is closed after this long.
     pub idle_timeout: Duration,
-    /// `Some`: every route but `/healthz` needs `Authorization: Bearer <key>`.
+    /// `Some`: every route but `/healthz` and the page (`/`) needs `Authorization: Bearer <key>`.
     pub api_key: Option<String>,
 }
 
