@@ -211,10 +211,10 @@ def test_the_page_lists_the_voices_and_plays_a_request_as_it_streams(tmp_path, b
         browser.goto(s.url + "/")
         browser.wait_for("document.body.dataset.state === 'ready'", 30)
         shown = options(browser, "voices")
-        assert [v for v, _ in shown] == [v["id"] for v in voices]
+        assert [v for v, _ in shown] == ["default"] + [v["id"] for v in voices]
         assert ["kitchen", "kitchen → vivian"] in shown, shown
         languages = sorted({lang for v in voices for lang in v["languages"]})
-        assert [v for v, _ in options(browser, "language")] == ["auto"] + languages
+        assert [v for v, _ in options(browser, "language")] == ["", "auto"] + languages
         assert browser.js("document.getElementById('format').value") == "pcm"
 
         browser.click("speak")
@@ -228,12 +228,13 @@ def test_the_page_lists_the_voices_and_plays_a_request_as_it_streams(tmp_path, b
         assert abs(seconds - samples / RATE) < 0.01, (seconds, samples)
         browser.screenshot(SHOTS / "page.png")
 
-        # the same request, sent directly: as many samples (same text, voice and seed)
+        # the same request, sent directly: as many samples (same text, voice and seed; the
+        # configured voice and language, which the page picks first)
         text = browser.js("document.getElementById('text').value")
-        voice = browser.js("document.getElementById('voices').value")
+        assert browser.js("document.getElementById('voices').value") == "default"
+        assert browser.js("document.getElementById('language').value") == ""
         status, headers, pcm = request(s, "POST", "/v1/audio/speech", {
-            "model": "herald", "input": text, "voice": voice, "language": "auto", "speed": 1,
-            "response_format": "pcm"})
+            "model": "herald", "input": text, "voice": "default", "speed": 1, "response_format": "pcm"})
         assert status == 200 and headers["content-type"] == "audio/pcm"
         assert len(pcm) > 0 and abs(samples - len(pcm) // 2) <= FRAME, (samples, len(pcm) // 2)
 
@@ -276,7 +277,7 @@ def test_with_an_api_key_the_page_asks_for_it(tmp_path, browser):
         assert not browser.js(STATE)["keyShown"]
         status, _, body = request(s, "GET", "/v1/audio/voices", headers={"Authorization": "Bearer s3cret"})
         assert status == 200
-        assert [v for v, _ in options(browser, "voices")] == [v["id"] for v in json.loads(body)["voices"]]
+        assert [v for v, _ in options(browser, "voices")] == ["default"] + [v["id"] for v in json.loads(body)["voices"]]
         # kept for this tab only
         assert browser.js("sessionStorage.getItem('herald-api-key')") == "s3cret"
         assert browser.js("localStorage.length") == 0
