@@ -500,8 +500,8 @@ settings! {
         /// every address (for Home Assistant on another machine).
         wyoming: String = DEFAULT_WYOMING.into(), Any("`tcp://HOST:PORT` or `off`"), cli wyoming, flag "--wyoming";
         /// Where the HTTP server (`POST /v1/audio/speech`, `GET /v1/models`, `GET /healthz`,
-        /// `POST /v1/say`) listens: `HOST:PORT`, or `off`. A non-loopback address needs
-        /// `api_key`.
+        /// `POST /v1/say`, and a web page to try the voices at `GET /`) listens: `HOST:PORT`,
+        /// or `off`. A non-loopback address needs `api_key`.
         http: String = DEFAULT_HTTP.into(), Any("`HOST:PORT` or `off`"), cli http, flag "--http";
         /// Requests that may wait while one is spoken, all front-ends together; one more is
         /// refused at once as busy (Wyoming `error` with code `busy`, HTTP 503), never queued
@@ -540,7 +540,7 @@ settings! {
         /// skips it.
         self_test: bool = true, Flag;
         /// The HTTP API's bearer token (`Authorization: Bearer <key>`, every route but
-        /// `/healthz`). Not set: no authentication, which is refused at start-up when `http`
+        /// `/healthz` and the page at `/`, which asks for the key its requests send). Not set: no authentication, which is refused at start-up when `http`
         /// is not a loopback address. Empty (`HERALD_SERVE_API_KEY=`) means not set, as for
         /// every optional key (the environment can undo the file's key): on loopback herald
         /// says so in one line; where a key is required (`http` not on loopback) it is an

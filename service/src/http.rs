@@ -6,6 +6,9 @@
 //!
 //! # Endpoints
 //!
+//! - `GET /` → herald's web page ([`crate::page`]): `text/html`, with a strict
+//!   `Content-Security-Policy` and `Cache-Control: no-cache`. Never needs the API key (the
+//!   page holds no secret; it asks for the key when the API answers 401).
 //! - `POST /v1/audio/speech` — JSON `{model, input, voice, response_format?, speed?,
 //!   instructions?, stream_format?, language?}` → `200` with the audio, streamed with chunked
 //!   transfer as the engine makes it: the response head goes out when the job starts (a job
@@ -115,7 +118,7 @@
 //!   to a second to take that answer; the ones beyond get it as far as their fresh socket takes
 //!   it at once (a request that arrives after the close may reset it away). Refusals are logged
 //!   at info level at most once every 10 s, else at debug level.
-//! - `api_key`: when set, every route but `/healthz` needs `Authorization: Bearer <key>`;
+//! - `api_key`: when set, every route but `/` and `/healthz` needs `Authorization: Bearer <key>`;
 //!   without it or with another key → `401` (code `invalid_api_key`).
 //! - No request names a file: the audio goes to the client or the device, nothing else.
 //!
@@ -217,7 +220,7 @@ pub struct HttpSettings {
     pub request_timeout: Duration,
     /// A connection with no request in progress is closed after this long.
     pub idle_timeout: Duration,
-    /// `Some`: every route but `/healthz` needs `Authorization: Bearer <key>`.
+    /// `Some`: every route but `/healthz` and the page (`/`) needs `Authorization: Bearer <key>`.
     pub api_key: Option<String>,
 }
 
@@ -926,6 +929,7 @@ async fn serve_connection(
 /// The routes.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum Route {
+    Page,
     Speech,
     Say,
     Voices,
@@ -940,6 +944,7 @@ enum Route {
 /// The route of `method` on `path` (without the query).
 fn route(method: &Method, path: &str) -> Route {
     let (want, route) = match path {
+        "/" => (Method::GET, Route::Page),
         "/v1/audio/speech" => (Method::POST, Route::Speech),
         "/v1/say" => (Method::POST, Route::Say),
         "/v1/audio/voices" => (Method::GET, Route::Voices),
@@ -1460,8 +1465,11 @@ async fn respond(
     // a body that is not read makes the connection unusable for the next request
     let unread = !req.body().is_end_stream();
     let close = |e: ApiError| if unread { e.closing() } else { e };
-    if route == Route::Health {
-        return Ok(health(shared));
+    // the page holds no secret: it asks for the key its API calls need
+    match route {
+        Route::Health => return Ok(health(shared)),
+        Route::Page => return Ok(page()),
+        _ => {}
     }
     if !shared.settings.read(|s| s.api_key.as_ref().is_none_or(|key| bearer_ok(req.headers().get(header::AUTHORIZATION), key))) {
         let e =
@@ -1471,6 +1479,7 @@ async fn respond(
     }
     match route {
         Route::Health => Ok(health(shared)),
+        Route::Page => Ok(page()),
         Route::NotFound => {
             Err(close(ApiError::new(StatusCode::NOT_FOUND, format!("no such endpoint: {} {}", req.method(), req.uri().path()))))
         }
@@ -1510,6 +1519,22 @@ async fn respond(
             }
         }
     }
+}
+
+/// `GET /`: the page ([`crate::page`]), with its Content-Security-Policy; revalidated on
+/// every load (`no-cache`), so that a new herald's page is seen at once.
+fn page() -> Response<Out> {
+    let mut r = Response::new(Out::full(Bytes::from_static(crate::page::PAGE.as_bytes())));
+    let h = r.headers_mut();
+    h.insert(header::CONTENT_TYPE, HeaderValue::from_static("text/html; charset=utf-8"));
+    h.insert(header::CACHE_CONTROL, HeaderValue::from_static("no-cache"));
+    h.insert(header::X_CONTENT_TYPE_OPTIONS, HeaderValue::from_static("nosniff"));
+    h.insert(header::REFERRER_POLICY, HeaderValue::from_static("no-referrer"));
+    // the policy is made of the page's own hashes: ASCII, never an invalid header value
+    if let Ok(csp) = HeaderValue::from_str(crate::page::content_security_policy()) {
+        h.insert(header::CONTENT_SECURITY_POLICY, csp);
+    }
+    r
 }
 
 /// `GET /v1/audio/voices`'s answer (see the module doc).
@@ -1892,6 +1917,10 @@ mod tests {
 
     #[test]
     fn routes_and_methods() {
+        assert_eq!(route(&Method::GET, "/"), Route::Page);
+        assert_eq!(route(&Method::HEAD, "/"), Route::Page);
+        assert_eq!(route(&Method::POST, "/"), Route::WrongMethod("GET, HEAD"));
+        assert_eq!(route(&Method::GET, "/index.html"), Route::NotFound);
         assert_eq!(route(&Method::POST, "/v1/audio/speech"), Route::Speech);
         assert_eq!(route(&Method::GET, "/v1/audio/speech"), Route::WrongMethod("POST"));
         assert_eq!(route(&Method::POST, "/v1/say"), Route::Say);
@@ -2238,6 +2267,45 @@ mod tests {
         assert_eq!(status, "HTTP/1.1 503 Service Unavailable", "past the key: loading");
         let (status, _) = exchange(a, b"GET /healthz HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n");
         assert_eq!(status, "HTTP/1.1 503 Service Unavailable");
+        server.shutdown(Duration::from_secs(1));
+    }
+
+    #[test]
+    fn the_page_needs_no_key_while_the_api_does() {
+        let server = server(Some("s3cret"), 8);
+        let a = server.local_addr();
+        let raw = |request: &[u8]| {
+            let mut s = std::net::TcpStream::connect(a).unwrap();
+            s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+            s.write_all(request).unwrap();
+            let mut answer = Vec::new();
+            let _ = s.read_to_end(&mut answer);
+            String::from_utf8(answer).unwrap()
+        };
+        let answer = raw(b"GET / HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n");
+        let (head, body) = answer.split_once("\r\n\r\n").unwrap();
+        assert!(head.starts_with("HTTP/1.1 200 OK\r\n"), "{head}");
+        let head = head.to_ascii_lowercase();
+        assert!(head.contains("\r\ncontent-type: text/html; charset=utf-8\r\n"), "{head}");
+        assert!(head.contains("\r\ncache-control: no-cache\r\n"), "{head}");
+        let csp = format!("\r\ncontent-security-policy: {}\r\n", crate::page::content_security_policy().to_ascii_lowercase());
+        assert!(head.contains(&csp), "{head}");
+        assert!(head.contains(&format!("\r\ncontent-length: {}\r\n", crate::page::PAGE.len())), "{head}");
+        assert_eq!(body, crate::page::PAGE);
+        // the same head without the body
+        let answer = raw(b"HEAD / HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n");
+        let (head, body) = answer.split_once("\r\n\r\n").unwrap();
+        assert!(head.starts_with("HTTP/1.1 200 OK\r\n") && head.to_ascii_lowercase().contains("content-security-policy: "), "{head}");
+        assert_eq!(body, "");
+        // the API behind the page still needs the key
+        let (status, body) = exchange(a, b"GET /v1/models HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n");
+        assert_eq!(status, "HTTP/1.1 401 Unauthorized");
+        assert!(body.contains(r#""code":"invalid_api_key""#), "{body}");
+        // the page is only got
+        let answer =
+            raw(b"POST / HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer s3cret\r\nContent-Length: 0\r\nConnection: close\r\n\r\n");
+        assert!(answer.starts_with("HTTP/1.1 405 Method Not Allowed\r\n"), "{answer}");
+        assert!(answer.to_ascii_lowercase().contains("\r\nallow: get, head\r\n"), "{answer}");
         server.shutdown(Duration::from_secs(1));
     }
 

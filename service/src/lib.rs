@@ -35,6 +35,7 @@ pub mod live;
 pub mod lookahead;
 pub mod notify;
 pub mod output;
+pub mod page;
 pub mod queue;
 pub mod selftest;
 pub mod speaker;
