@@ -38,21 +38,16 @@ import collections
 import http.client
 import json
 import os
-import re
-import signal
 import socket
 import struct
-import subprocess
 import time
-from pathlib import Path
 
 import pytest
 from wyoming.client import AsyncTcpClient
 from wyoming.info import Describe, Info
 
-ROOT = Path(__file__).resolve().parents[2]
-HERALD = Path(os.environ.get("HERALD_BIN", ROOT / "target/debug/herald"))
-BUNDLE = Path(os.environ.get("HERALD_TEST_BUNDLES", ROOT / "build/bundles")) / "tiny-0.6b"
+from test_http import Server
+
 CYCLES = 1000
 # a text the tiny model (which never says eos: 40 + 10 frames per token) speaks for seconds, so
 # that a reset after the first audio is mid-stream
@@ -68,31 +63,11 @@ TCP_STATES = {1: "ESTABLISHED", 2: "SYN_SENT", 3: "SYN_RECV", 4: "FIN_WAIT1", 5:
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("connections")
-    cfg = tmp / "herald.toml"
-    cfg.write_text(
-        '[serve]\nwyoming = "tcp://127.0.0.1:0"\nhttp = "127.0.0.1:0"\nqueue_length = 4\n'
-        'request_timeout_s = 10\nidle_timeout_s = 60\n'
-        '[synthesis]\nseed = 7\n[audio]\ndevice = "null"\n'
-        f'[runtime]\ngraph_cache_dir = "{tmp / "cache"}"\ncalibration_dir = "{tmp / "cal"}"\n')
-    log = tmp / "serve.log"
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("HERALD_", "NOTIFY_", "WATCHDOG_", "LISTEN_"))}
-    env["RUST_LOG"] = "info"
-    proc = subprocess.Popen([str(HERALD), "serve", "--config", str(cfg), "--fifo", "off", "--bundle", str(BUNDLE)],
-                            stdout=subprocess.DEVNULL, stderr=open(log, "wb"), env=env)
-    end = time.monotonic() + 120
-    while True:
-        text = log.read_text(errors="replace")
-        ready = re.search(r"ready;.*Wyoming on tcp://127\.0\.0\.1:(\d+), HTTP on http://127\.0\.0\.1:(\d+)", text)
-        if ready:
-            break
-        assert proc.poll() is None and time.monotonic() < end, text
-        time.sleep(0.1)
-    s = {"proc": proc, "wyoming": int(ready.group(1)), "http": int(ready.group(2)), "log": log}
-    yield s
-    proc.send_signal(signal.SIGTERM)
-    assert proc.wait(timeout=30) == 0, log.read_text()[-3000:]
-    assert "panicked" not in log.read_text()
+    srv = Server(tmp_path_factory.mktemp("connections"), wyoming="tcp://127.0.0.1:0", queue_length=4,
+                 request_timeout_s=10, idle_timeout_s=60)
+    yield {"proc": srv.proc, "wyoming": srv.wyoming_port, "http": srv.port, "log": srv.log}
+    assert srv.stop() == 0, srv.log_text()[-3000:]
+    assert "panicked" not in srv.log_text()
 
 
 # --- what the server holds ------------------------------------------------------------------
