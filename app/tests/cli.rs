@@ -439,7 +439,8 @@ fn languages_and_the_default_speaker_take_the_words_of_http_and_wyoming() {
 }
 
 /// `--out` picks the format from the extension: `.flac` decodes (ffmpeg, where installed) to
-/// the `--raw` samples, `.mp3` is MPEG-2 Layer III frames; an extension herald does not write
+/// the `--raw` samples, `.mp3` is MPEG-2 Layer III frames, `.opus` Ogg Opus of the `--raw`
+/// length; an extension herald does not write
 /// is bad input (exit 2) naming the ones it does, and nothing is written.
 #[test]
 fn out_picks_the_format_from_the_extension() {
@@ -459,11 +460,22 @@ fn out_picks_the_format_from_the_extension() {
     // MPEG-2 Layer III, 64 kbit/s at 24 kHz: 192-byte frames
     assert_eq!((bytes[0], bytes[1], bytes.len() % 192), (0xFF, 0xF3, 0));
 
-    let ogg = d.join("out.ogg");
-    let o = herald(&["speak", TEXT, "--bundle", bs, "--out", ogg.to_str().unwrap()], &[], None);
+    let opus = d.join("out.opus");
+    let o = herald(&["speak", TEXT, "--bundle", bs, "--seed", "11", "--out", opus.to_str().unwrap()], &[], None);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let bytes = std::fs::read(&opus).unwrap();
+    // an Ogg page whose one packet (after the 27-byte header and a 1-byte segment table) is OpusHead
+    assert_eq!((&bytes[..4], &bytes[28..36]), (&b"OggS"[..], &b"OpusHead"[..]));
+
+    let aac = d.join("out.aac");
+    let o = herald(&["speak", TEXT, "--bundle", bs, "--out", aac.to_str().unwrap()], &[], None);
     assert_eq!(o.status.code(), Some(2), "{}", stderr(&o));
-    assert!(stderr(&o).contains("herald cannot write .ogg files; the extension must be one of .wav, .mp3, .flac"), "{}", stderr(&o));
-    assert_eq!(std::fs::read_dir(&d).unwrap().count(), 2, "a refused --out left a file");
+    assert!(
+        stderr(&o).contains("herald cannot write .aac files; the extension must be one of .wav, .mp3, .flac, .opus, .ogg"),
+        "{}",
+        stderr(&o)
+    );
+    assert_eq!(std::fs::read_dir(&d).unwrap().count(), 3, "a refused --out left a file");
 
     if std::process::Command::new("ffmpeg").arg("-version").output().is_err() {
         eprintln!("SKIPPED: no ffmpeg on PATH (scripts/prereqs installs it): the flac file was not decoded");
@@ -477,6 +489,15 @@ fn out_picks_the_format_from_the_extension() {
         .unwrap();
     assert!(decoded.status.success(), "{}", String::from_utf8_lossy(&decoded.stderr));
     assert!(decoded.stdout == raw.stdout, "the flac file decodes to other samples than --raw");
+    // the opus file's end trim: as many samples as --raw (the samples themselves: service/tests/http.rs)
+    let decoded = std::process::Command::new("ffmpeg")
+        .args(["-nostdin", "-v", "error", "-i"])
+        .arg(&opus)
+        .args(["-f", "s16le", "-ac", "1", "-ar", "24000", "-"])
+        .output()
+        .unwrap();
+    assert!(decoded.status.success(), "{}", String::from_utf8_lossy(&decoded.stderr));
+    assert_eq!(decoded.stdout.len(), raw.stdout.len());
 }
 
 #[test]

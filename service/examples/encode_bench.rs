@@ -40,7 +40,7 @@ fn main() {
             (6000.0 * tone + 2000.0 * noise) as i16
         })
         .collect();
-    for codec in [Codec::Mp3, Codec::Flac] {
+    for codec in [Codec::Mp3, Codec::Flac, Codec::Opus] {
         let mut best = Duration::MAX;
         let mut bytes = 0;
         for _ in 0..3 {

@@ -24,14 +24,15 @@
 //!     that is neither a speaker nor an alias means the configured voice too (logged at debug
 //!     level), since integrations hard-code them. Any other unknown voice is refused (400,
 //!     `param: voice`) with the list of names allowed.
-//!   - `response_format` (any case): `mp3` (`audio/mpeg`, LAME, 64 kbit/s CBR mono), `flac`
+//!   - `response_format` (any case): `mp3` (`audio/mpeg`, LAME, 64 kbit/s CBR mono), `opus`
+//!     (`audio/ogg`: Opus in Ogg, libopus, 48 kbit/s VBR mono), `flac`
 //!     (`audio/flac`, lossless), `wav` (`audio/wav`, 16-bit mono WAV with a streaming header:
 //!     RIFF and data sizes `0xFFFFFFFF`, since the length is not known when it starts) or `pcm`
 //!     (`audio/pcm`, headerless S16LE mono at 24 kHz, the bytes of `herald speak --raw`).
-//!     **Missing means `mp3`**, OpenAI's default. mp3 and flac are encoded chunk by chunk as the
-//!     engine makes the audio ([`crate::encode`]), so they stream like the others. `opus` and
-//!     `aac` are refused (400, `param: response_format`, saying no encoder for them is built
-//!     in: [`Codec`] says why), anything else likewise as unknown.
+//!     **Missing means `mp3`**, OpenAI's default. mp3, opus and flac are encoded chunk by chunk
+//!     as the engine makes the audio ([`crate::encode`]), so they stream like the others. `aac`
+//!     is refused (400, `param: response_format`, saying no encoder for it is built in:
+//!     [`Codec`] says why), anything else likewise as unknown.
 //!   - `speed`: 0.25 to 4.0 (OpenAI's range; missing or `null`: the configured
 //!     `synthesis.speed`), a pitch-preserving time stretch of the audio as it streams
 //!     ([`crate::stretch`]): 2.0 is half as long; anything else → 400 (`param: speed`).
@@ -199,7 +200,7 @@ const RETRY_AFTER_S: u32 = 1;
 /// How long a refused connection (over `max_connections`) is given to take its 503.
 const REFUSE_TIME: Duration = Duration::from_secs(1);
 /// The response formats herald makes, for messages.
-const FORMATS: &str = "mp3, flac, wav, pcm";
+const FORMATS: &str = "mp3, opus, flac, wav, pcm";
 /// The voices OpenAI's speech API has built in. Integrations hard-code them, so one that is
 /// neither a speaker of the bundle nor an alias means the configured voice (logged at debug
 /// level) instead of a 400.
@@ -990,7 +991,7 @@ pub enum AudioFormat {
     Wav,
     /// Headerless S16LE mono at the model rate (24 kHz).
     Pcm,
-    /// An encoded format ([`Codec`]: mp3, flac).
+    /// An encoded format ([`Codec`]: mp3, flac, opus).
     Encoded(Codec),
 }
 
@@ -1004,20 +1005,21 @@ impl AudioFormat {
         }
     }
 
-    /// `response_format` (any case): `mp3`, `flac`, `wav` or `pcm`; missing means `mp3`, as
-    /// OpenAI's API does.
+    /// `response_format` (any case): `mp3`, `opus`, `flac`, `wav` or `pcm`; missing means
+    /// `mp3`, as OpenAI's API does.
     ///
     /// # Errors
-    /// An [`ApiError`] naming `response_format` and the formats herald makes (`opus` and `aac`
-    /// with the reason: [`Codec`]).
+    /// An [`ApiError`] naming `response_format` and the formats herald makes (`aac` with the
+    /// reason: [`Codec`]).
     fn parse(given: Option<&str>) -> Result<AudioFormat, ApiError> {
         let Some(given) = given else { return Ok(AudioFormat::Encoded(Codec::Mp3)) };
         match given.trim().to_ascii_lowercase().as_str() {
             "mp3" => Ok(AudioFormat::Encoded(Codec::Mp3)),
+            "opus" => Ok(AudioFormat::Encoded(Codec::Opus)),
             "flac" => Ok(AudioFormat::Encoded(Codec::Flac)),
             "wav" => Ok(AudioFormat::Wav),
             "pcm" => Ok(AudioFormat::Pcm),
-            codec @ ("opus" | "aac") => Err(ApiError::invalid(
+            codec @ "aac" => Err(ApiError::invalid(
                 Some("response_format"),
                 format!("herald does not produce {codec} (no encoder for it is built in); response_format must be one of: {FORMATS}"),
             )),
@@ -1830,6 +1832,7 @@ mod tests {
         for (given, format, mime) in [
             ("mp3", AudioFormat::Encoded(Codec::Mp3), "audio/mpeg"),
             ("Flac", AudioFormat::Encoded(Codec::Flac), "audio/flac"),
+            ("OPUS", AudioFormat::Encoded(Codec::Opus), "audio/ogg"),
             ("wav", AudioFormat::Wav, "audio/wav"),
             ("pcm", AudioFormat::Pcm, "audio/pcm"),
         ] {
@@ -1840,18 +1843,14 @@ mod tests {
 
     #[test]
     fn codecs_herald_does_not_make_are_refused_naming_the_field() {
-        for codec in ["opus", "aac"] {
-            let e = err(parse_speech(format!(r#"{{"input":"x","response_format":"{codec}"}}"#).as_bytes()));
-            assert_eq!((e.status, e.param), (StatusCode::BAD_REQUEST, Some("response_format")));
-            assert_eq!(
-                e.message,
-                format!(
-                    "herald does not produce {codec} (no encoder for it is built in); response_format must be one of: mp3, flac, wav, pcm"
-                )
-            );
-        }
+        let e = err(parse_speech(br#"{"input":"x","response_format":"AAC"}"#));
+        assert_eq!((e.status, e.param), (StatusCode::BAD_REQUEST, Some("response_format")));
+        assert_eq!(
+            e.message,
+            "herald does not produce aac (no encoder for it is built in); response_format must be one of: mp3, opus, flac, wav, pcm"
+        );
         let e = err(parse_speech(br#"{"input":"x","response_format":"ogg"}"#));
-        assert_eq!(e.message, "unknown response_format \"ogg\"; response_format must be one of: mp3, flac, wav, pcm");
+        assert_eq!(e.message, "unknown response_format \"ogg\"; response_format must be one of: mp3, opus, flac, wav, pcm");
         let e = err(parse_speech(br#"{"input":"x","response_format":7}"#));
         assert_eq!((e.param, e.message.as_str()), (Some("response_format"), "'response_format' must be a string, not a number"));
     }
@@ -2003,7 +2002,7 @@ mod tests {
         let v: Value = serde_json::from_slice(&e.body()).unwrap();
         assert_eq!(
             v,
-            json!({"error": {"message": "herald does not produce aac (no encoder for it is built in); response_format must be one of: mp3, flac, wav, pcm",
+            json!({"error": {"message": "herald does not produce aac (no encoder for it is built in); response_format must be one of: mp3, opus, flac, wav, pcm",
                 "type": "invalid_request_error", "param": "response_format", "code": null}})
         );
         let busy = ApiError::refused(&Refused::Full { job: Box::new(test_job()), capacity: 2 });
@@ -2195,7 +2194,7 @@ mod tests {
         let speech = |json: &str| {
             format!("POST /v1/audio/speech HTTP/1.1\r\nHost: x\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{json}", json.len())
         };
-        let (status, body) = exchange(a, speech(r#"{"input":"Hi.","response_format":"opus"}"#).as_bytes());
+        let (status, body) = exchange(a, speech(r#"{"input":"Hi.","response_format":"aac"}"#).as_bytes());
         assert_eq!(status, "HTTP/1.1 400 Bad Request");
         assert!(body.contains(r#""param":"response_format""#), "{body}");
         let (status, _) = exchange(a, speech(r#"{"input":"Hi."}"#).as_bytes());

@@ -26,7 +26,7 @@ pub enum Target {
     /// A 16-bit mono WAV file, written atomically ([`AtomicFile`]; renamed into place when the
     /// utterance finished, also after a cancel).
     File(PathBuf),
-    /// An encoded file ([`Codec`]: mp3, flac), written atomically like [`Target::File`].
+    /// An encoded file ([`Codec`]: mp3, flac, opus), written atomically like [`Target::File`].
     Encoded {
         /// The file.
         path: PathBuf,

@@ -23,7 +23,8 @@ pub struct SpeakArgs {
     #[arg(long, value_name = "DIR")]
     bundle: Option<PathBuf>,
     /// Write the audio to FILE in the format its extension names (`.wav` or none: 16-bit mono
-    /// WAV; `.mp3`; `.flac`), or a WAV to standard output with `-` (streaming header).
+    /// WAV; `.mp3`; `.flac`; `.opus` or `.ogg`: Opus in Ogg), or a WAV to standard output with
+    /// `-` (streaming header).
     #[arg(long, value_name = "FILE", conflicts_with = "raw")]
     out: Option<String>,
     /// Write raw S16LE mono PCM at the model rate to standard output (no header).
@@ -148,7 +149,7 @@ fn target(out: Option<&str>, raw: bool) -> Result<Target, Failure> {
 }
 
 /// The extensions `--out` takes, for messages.
-const OUT_EXTENSIONS: &str = ".wav, .mp3, .flac";
+const OUT_EXTENSIONS: &str = ".wav, .mp3, .flac, .opus, .ogg";
 
 /// The format `--out FILE` asks for by its extension (any case): `None` for WAV (also a name
 /// without an extension, such as `/dev/null`, as before there were other formats), else the
@@ -159,6 +160,7 @@ fn out_format(path: &str) -> Result<Option<Codec>, Failure> {
         Some("wav") => Ok(None),
         Some("mp3") => Ok(Some(Codec::Mp3)),
         Some("flac") => Ok(Some(Codec::Flac)),
+        Some("opus" | "ogg") => Ok(Some(Codec::Opus)),
         Some(other) => Err(fail(
             exit::INPUT,
             anyhow::anyhow!("--out {path}: herald cannot write .{other} files; the extension must be one of {OUT_EXTENSIONS}"),

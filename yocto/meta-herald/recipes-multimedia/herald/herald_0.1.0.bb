@@ -24,7 +24,9 @@ LIC_FILES_CHKSUM = "file://LICENSE;md5=3b83ef96387f14655fc854ddc3c6bd57 \
                     file://${COMMON_LICENSE_DIR}/LGPL-2.0-or-later;md5=6d2d9952d88b50a51a5c73dc431d06c7 \
                     file://${COMMON_LICENSE_DIR}/LGPL-3.0-only;md5=bfccfe952269fff2b407dd11f2f3083b"
 
-DEPENDS += "alsa-lib"
+# alsa-lib: the `alsa` crate links it. cmake-native: opusic-sys builds libopus (the opus
+# encoder, BSD-3-Clause, linked statically like LAME) from its C source with CMake.
+DEPENDS += "alsa-lib cmake-native"
 
 PV .= "+git"
 
