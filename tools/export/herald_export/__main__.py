@@ -4,6 +4,8 @@
     export --tiny PRESET --seed N --out BUNDLE [--dtype ...] [--keep-checkpoint DIR]
     export --preset qwen3-tts-0.6b|qwen3-tts-1.7b --random --seed N [--out BUNDLE] [--dtype ...]
       (real dimensions, random weights, for benchmarks; default --out build/bundles/PRESET-DTYPE)
+    pack --bundle BUNDLE --out FILE
+      (one archive for ``herald bundle install``: an index first, then the files; herald_export.pack)
     qnn --bundle BUNDLE --arch v73|v79|v68 [--soc N] [--talker-slots 256,1024,4096] [--allow-lossy]
         [--vocoder [--vocoder-frames 2,1]]
       (QNN HTP context binaries of the step graphs, added to the bundle: herald_export.qnn)
@@ -60,6 +62,10 @@ def main(argv: list[str] | None = None) -> int:
                     help="with q8/q4: write the bundle even when it fails the fidelity gate ([quantization.gate] passed = false)")
     ex.add_argument("--keep-checkpoint", type=Path, metavar="DIR", help="with --tiny: keep the generated checkpoint here")
     ex.add_argument("--quiet", action="store_true", help="no progress bars")
+    pk = sub.add_parser("pack", help="write a bundle as one archive for `herald bundle install` (docs/bundle.md)")
+    pk.add_argument("--bundle", type=Path, required=True, help="bundle directory")
+    pk.add_argument("--out", type=Path, required=True, help="archive to write (replaced when complete), e.g. NAME.tar")
+    pk.add_argument("--quiet", action="store_true", help="no summary line")
     qn = sub.add_parser("qnn", help="compile a bundle's step graphs into QNN HTP context binaries (added to the bundle)")
     qn.add_argument("--bundle", type=Path, required=True, help="bundle directory (updated in place, atomically)")
     qn.add_argument("--arch", required=True, metavar="ARCH",
@@ -78,6 +84,8 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     if args.cmd == "qnn":
         return _qnn(args)
+    if args.cmd == "pack":
+        return _pack(args)
 
     from .bundle import export
     from .tiny import PRESETS, write_tiny_checkpoint
@@ -155,5 +163,27 @@ def _qnn(args) -> int:
     return 0
 
 
+def _pack(args) -> int:
+    from .pack import pack
+
+    try:
+        idx = pack(args.bundle, args.out)
+    except ExportError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    except OSError as e:
+        # a failed write of the archive (disk full, permissions): --out is as it was
+        print(f"error: {args.out}: cannot write: {e.strerror or e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("error: interrupted; nothing was written", file=sys.stderr)
+        return 130
+    if not args.quiet:
+        print(f"packed {idx['name']}: {len(idx['files'])} files, {idx['bytes']} bytes, "
+              f"fingerprint {idx['fingerprint'][:16]} -> {args.out}")
+    return 0
+
+
 if __name__ == "__main__":
     sys.exit(main())
+
