@@ -248,6 +248,15 @@ def test_the_page_lists_the_voices_and_plays_a_request_as_it_streams(tmp_path, b
         assert browser.js("!document.getElementById('player').hidden")
         assert abs(number(browser, "seconds") - len(pcm) / 2 / RATE) < 0.01
 
+        # opus, decoded by Chromium itself: the same length (the Ogg end trim honoured)
+        browser.js("document.getElementById('format').value = 'opus'; document.body.dataset.state = ''")
+        browser.click("speak")
+        browser.wait_for("document.body.dataset.state === 'done' || document.body.dataset.state === 'error'", 60)
+        state = browser.js(STATE)
+        assert state["state"] == "done", state
+        assert browser.js("document.getElementById('download-link').download") == "herald.opus"
+        assert abs(number(browser, "seconds") - len(pcm) / 2 / RATE) < 0.01, number(browser, "seconds")
+
         violations = [m for m in browser.console() if "Content Security Policy" in m]
         assert violations == [], violations
         assert "GET /: 200" in s.log_text()
