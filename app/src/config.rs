@@ -30,6 +30,8 @@ use std::str::FromStr;
 pub const DEFAULT_PATH: &str = "/etc/herald/herald.toml";
 /// Default `model.bundle`.
 pub const DEFAULT_BUNDLE: &str = "/usr/share/herald/bundles/default";
+/// Default `model.bundles_dir`: the folder of [`DEFAULT_BUNDLE`].
+pub const DEFAULT_BUNDLES_DIR: &str = "/usr/share/herald/bundles";
 /// Environment variable naming the config file (like `--config`, which wins over it).
 pub const CONFIG_ENV: &str = "HERALD_CONFIG";
 /// `HERALD_*` variables that are not settings but are used by herald or its tooling, so that
@@ -218,6 +220,10 @@ settings! {
     model: ModelConfig {
         /// The model bundle directory (holds `bundle.toml`, see [bundle.md](bundle.md)).
         bundle: PathBuf = PathBuf::from(DEFAULT_BUNDLE), FsPath("non-empty path"), cli bundle, flag "--bundle";
+        /// Where `herald bundle install` puts bundles (one folder each, named by the archive's
+        /// index) and where `herald bundle list` and `remove` look ([bundle.md](bundle.md),
+        /// "Bundle archives").
+        bundles_dir: PathBuf = PathBuf::from(DEFAULT_BUNDLES_DIR), FsPath("a directory");
         /// Check the SHA-256 of every bundle file that `bundle.toml` gives one for (the tokenizer
         /// and the graphs) before loading, and refuse a bundle whose files were damaged or
         /// replaced (exit 4, naming the file). It reads every byte once: about 2 s for a 0.6B
@@ -2490,7 +2496,9 @@ mod tests {
         assert!(c.to_string().contains("volume = 0.1  # from "), "{c}");
         let printed = Config::default().to_toml();
         assert!(
-            printed.starts_with("[model]\nbundle = \"/usr/share/herald/bundles/default\"\nverify = false\n\n[audio]\n"),
+            printed.starts_with(
+                "[model]\nbundle = \"/usr/share/herald/bundles/default\"\nbundles_dir = \"/usr/share/herald/bundles\"\nverify = false\n\n[audio]\n"
+            ),
             "{printed}"
         );
         assert!(printed.contains("\nvolume = 1.0\n"), "{printed}");

@@ -6,6 +6,7 @@
 //! 4 model/bundle, 130 stopped by SIGINT/SIGTERM, 1 anything else (a bug: please report it).
 
 mod backend;
+mod bundles;
 mod cmd;
 mod config;
 mod exit;
@@ -62,6 +63,9 @@ enum Command {
     /// Measure step latencies against the memory-bandwidth floor, the pipeline, load time and a
     /// thread sweep (docs/performance.md).
     Bench(cmd::bench::BenchArgs),
+    /// Install, list and remove bundles in model.bundles_dir (`herald bundle install ARCHIVE`
+    /// takes what `tools/export/export pack` writes; docs/bundle.md, "Bundle archives").
+    Bundle(cmd::bundle::BundleArgs),
     /// Run as the appliance: load the model once and serve the FIFO, Wyoming and HTTP (systemd notify).
     ///
     /// Three front-ends share one job queue and the speaker, each turned off with `off`:
@@ -129,6 +133,7 @@ fn run(cli: Cli) -> Result<(), exit::Failure> {
         Command::Probe(args) => cmd::probe::run(config, args),
         Command::Calibrate(args) => cmd::calibrate::run(config, args),
         Command::Bench(args) => cmd::bench::run(args),
+        Command::Bundle(args) => cmd::bundle::run(config, args),
         Command::Serve(args) => cmd::serve::run(config, args),
     }
 }

@@ -1,6 +1,7 @@
 //! The commands, one file each; what several of them share is here.
 
 pub mod bench;
+pub mod bundle;
 pub mod calibrate;
 pub mod config;
 pub mod devices;
