@@ -436,14 +436,21 @@ pub fn install(archive: &Path, bundles_dir: &Path, mut progress: impl FnMut(u64,
         return Err(bad(archive, format!("bundle.toml names {missing}, which the archive does not hold")));
     }
     sync_dirs(&staging)?;
-    // NOREPLACE: an install of the same name that finished meanwhile is not overwritten
-    nix::fcntl::renameat2(None, &staging, None, &target, nix::fcntl::RenameFlags::RENAME_NOREPLACE).map_err(|e| {
-        if e == nix::errno::Errno::EEXIST || e == nix::errno::Errno::ENOTEMPTY {
-            BundleError::Exists { name: index.name.clone(), dir: target.clone() }
-        } else {
-            BundleError::Io { path: target.clone(), op: "rename into place", source: io::Error::from(e) }
+    // NOREPLACE: an install of the same name that finished meanwhile is not overwritten (a
+    // file system without it, EINVAL: checked just before a plain rename instead)
+    let exists = || BundleError::Exists { name: index.name.clone(), dir: target.clone() };
+    let into_place = |e: io::Error| BundleError::Io { path: target.clone(), op: "rename into place", source: e };
+    match nix::fcntl::renameat2(None, &staging, None, &target, nix::fcntl::RenameFlags::RENAME_NOREPLACE) {
+        Ok(()) => {}
+        Err(nix::errno::Errno::EEXIST | nix::errno::Errno::ENOTEMPTY) => return Err(exists()),
+        Err(nix::errno::Errno::EINVAL) => {
+            if target.symlink_metadata().is_ok() {
+                return Err(exists());
+            }
+            fs::rename(&staging, &target).map_err(into_place)?;
         }
-    })?;
+        Err(e) => return Err(into_place(io::Error::from(e))),
+    }
     guard.0 = None;
     File::open(bundles_dir).and_then(|d| d.sync_all()).map_err(io_err(bundles_dir, "sync"))?;
     let fact = |k: &str| index.model.get(k).and_then(|v| v.as_str()).unwrap_or("?").to_owned();
