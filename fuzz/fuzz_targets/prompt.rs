@@ -36,7 +36,8 @@ fuzz_target!(|data: &[u8]| {
     let mode = if a & 0x80 == 0 { PromptMode::Streaming } else { PromptMode::NonStreaming };
     let _ = p.layout(text, Some(language), None, mode);
 
-    let max = 4 + usize::from(*b) * 2;
+    // the hard limit's floor is one character's most tokens (model::segment::MAX_CHAR_TOKENS)
+    let max = model::segment::MAX_CHAR_TOKENS + usize::from(*b) * 2;
     let limits = SegmentLimits { target_tokens: 1 + usize::from(*b) % max, max_tokens: max };
     let ranges = segments(text, limits, &mut |s| p.count_tokens(s));
     let mut end = 0;

@@ -14,8 +14,12 @@
 //! 3. **Clauses**, only inside a sentence longer than the hard limit: after `,` `:` (followed by
 //!    white space) and `，` `、` `：`.
 //! 4. **Words** (white space), then **characters**, for a clause still too long (a long run of
-//!    CJK without punctuation, a URL): pieces of at most `max_tokens` UTF-8 bytes, which bounds
-//!    their tokens because every byte-level BPE token covers at least one byte.
+//!    CJK without punctuation, a URL): pieces of at most `max_tokens` UTF-8 bytes, each counted
+//!    again and halved (at character boundaries) while it has more tokens than `max_tokens`: a
+//!    byte-level BPE token covers at least one byte, but of the *normalized* text, and the
+//!    tokenizer's NFC may make one character several (U+0344 becomes U+0308 U+0301; found by
+//!    the `prompt` fuzz target, fuzz/regressions/prompt). A single character has at most
+//!    [`MAX_CHAR_TOKENS`] tokens, the floor of the hard limit.
 //!
 //! A text that fits within the target is one segment, the text itself: short texts are spoken
 //! exactly as before. Segments are byte ranges of the text; together they cover every
@@ -53,14 +57,20 @@ pub const ABBREVIATIONS: &[&str] = &[
 /// docstring §1). An upper bound used only to size segments.
 pub const PROMPT_OVERHEAD_ROWS: usize = 16;
 
+/// The most tokens one character can have: 12. Unicode's NFC turns one code point into at most
+/// three (U+1D160 MUSICAL SYMBOL EIGHTH NOTE becomes U+1D158 U+1D165 U+1D16E, 12 UTF-8 bytes;
+/// Unicode Standard Annex #15, "Stabilization" and the composition exclusions), and a byte-level
+/// BPE token covers at least one byte of the normalized text.
+pub const MAX_CHAR_TOKENS: usize = 12;
+
 /// The most text tokens one segment may have so that its whole generation fits in a KV cache
 /// of `kv_capacity` positions: the prompt (at most `n + PROMPT_OVERHEAD_ROWS` rows) plus the
 /// frame cap `40 + 10 n` ([`crate::prompt::frame_cap`]) must fit, so
-/// `n = (kv_capacity - 16 - 40) / 11`, at least 4 (one character of up to 4 UTF-8 bytes is at
-/// most 4 tokens: below that a segment could not always be cut; a KV capacity under 100
-/// positions then ends such segments early, as it would any text).
+/// `n = (kv_capacity - 16 - 40) / 11`, at least [`MAX_CHAR_TOKENS`] (below that a segment could
+/// not always be cut; a KV capacity under 188 positions then ends such segments early, as it
+/// would any text).
 pub fn max_segment_tokens(kv_capacity: usize) -> usize {
-    (kv_capacity.saturating_sub(PROMPT_OVERHEAD_ROWS + CAP_BASE_FRAMES) / (CAP_FRAMES_PER_TEXT_TOKEN + 1)).max(4)
+    (kv_capacity.saturating_sub(PROMPT_OVERHEAD_ROWS + CAP_BASE_FRAMES) / (CAP_FRAMES_PER_TEXT_TOKEN + 1)).max(MAX_CHAR_TOKENS)
 }
 
 /// How long a segment may be, in text tokens.
@@ -69,8 +79,8 @@ pub struct SegmentLimits {
     /// Sentences are packed into one segment up to this many tokens (a single longer sentence
     /// stays whole up to `max_tokens`).
     pub target_tokens: usize,
-    /// No segment has more ([`max_segment_tokens`] of the KV capacity); at least 4 for the
-    /// guarantee of the character cut.
+    /// No segment has more ([`max_segment_tokens`] of the KV capacity); at least
+    /// [`MAX_CHAR_TOKENS`] for the guarantee of the character cut.
     pub max_tokens: usize,
 }
 
@@ -165,8 +175,7 @@ fn split_long(
                     pieces.push((r, rn));
                 }
                 for part in by_bytes(text, word, max) {
-                    let pn = count(&text[part.clone()]);
-                    pieces.push((part, pn));
+                    fit(text, part, max, count, pieces);
                 }
                 continue;
             }
@@ -189,6 +198,21 @@ fn split_long(
             pieces.push((r, rn));
         }
     }
+}
+
+/// Push `text[r]`, halved at character boundaries until each piece has at most `max` tokens or
+/// is one character (the tokenizer's normalization can make a run of `max` bytes more than
+/// `max` tokens).
+fn fit(text: &str, r: Range<usize>, max: usize, count: &mut dyn FnMut(&str) -> usize, pieces: &mut Vec<(Range<usize>, usize)>) {
+    let n = count(&text[r.clone()]);
+    let chars = text[r.clone()].char_indices().count();
+    if n <= max || chars < 2 {
+        pieces.push((r, n));
+        return;
+    }
+    let mid = r.start + text[r.clone()].char_indices().nth(chars / 2).map_or(0, |(i, _)| i);
+    fit(text, r.start..mid, max, count, pieces);
+    fit(text, mid..r.end, max, count, pieces);
 }
 
 /// Trim white space off both ends of `text[r]`.
@@ -486,9 +510,27 @@ mod tests {
     }
 
     #[test]
+    fn a_character_run_is_halved_when_normalization_makes_it_more_tokens_than_bytes() {
+        // a stand-in for an NFC byte-level tokenizer: U+0344 (2 bytes) normalizes to U+0308
+        // U+0301 (4 bytes), one token a byte; the fuzz target's crash had this
+        let mut nfc_bytes = |s: &str| s.len() + 2 * s.matches('\u{344}').count();
+        let text = "\u{344}".repeat(40) + "Q\0" + &"\u{344}".repeat(7);
+        let max = MAX_CHAR_TOKENS;
+        let limits = SegmentLimits { target_tokens: max, max_tokens: max };
+        let ranges = segments(&text, limits, &mut nfc_bytes);
+        for r in &ranges {
+            assert!(nfc_bytes(&text[r.clone()]) <= max, "{:?}: {} tokens", &text[r.clone()], nfc_bytes(&text[r.clone()]));
+        }
+        let kept: String = ranges.iter().map(|r| &text[r.clone()]).collect();
+        assert_eq!(kept, text);
+        // the byte cut alone gives 12-byte runs of 6 characters, 24 "tokens": each is halved
+        assert!(ranges.len() >= 8, "{}", ranges.len());
+    }
+
+    #[test]
     fn the_hard_limit_follows_the_kv_capacity() {
         assert_eq!(max_segment_tokens(4096), (4096 - 56) / 11);
-        assert_eq!(max_segment_tokens(0), 4);
+        assert_eq!(max_segment_tokens(0), MAX_CHAR_TOKENS);
         let l = SegmentLimits::new(10_000, 4096);
         assert_eq!(l.target_tokens, l.max_tokens);
         // n tokens: prompt rows (n + 16) + frame cap (40 + 10 n) fit
