@@ -1,5 +1,5 @@
-//! Installed bundles (issue 41): `herald bundle install ARCHIVE`, `herald bundle list` and
-//! `herald bundle remove NAME`, in `model.bundles_dir`.
+//! Installed bundles (issue 41): `herald bundle install ARCHIVE`, `list`, `remove NAME` and
+//! `use NAME` (the `default` link, [`use_bundle`]), in `model.bundles_dir`.
 //!
 //! The archive is what `tools/export/export pack` writes (docs/bundle.md, "Bundle archives"): a
 //! ustar file whose first member is the index [`INDEX_NAME`] (the files, their sizes and SHA-256,
@@ -120,6 +120,12 @@ pub enum BundleError {
         /// What is wrong with it.
         why: &'static str,
     },
+    /// `bundles_dir/default` is a folder, not the link [`use_bundle`] manages.
+    #[error("{path} is a folder, not a link herald manages; move it to a name of its own (it is then listed and usable)")]
+    NotALink {
+        /// `bundles_dir/default`.
+        path: PathBuf,
+    },
     /// The bundle asked to be removed is the configured one.
     #[error("{name:?} is model.bundle ({path}), the bundle herald speaks with; set model.bundle to another one first")]
     InUse {
@@ -147,6 +153,18 @@ fn io_err(path: &Path, op: &'static str) -> impl FnOnce(io::Error) -> BundleErro
 
 fn bad(archive: &Path, problem: impl Into<String>) -> BundleError {
     BundleError::Archive { archive: archive.to_owned(), problem: problem.into() }
+}
+
+/// A failed read of `what` in the archive: the system's (an I/O error, [`BundleError::Io`]) or
+/// the archive's (cut short, not tar: [`BundleError::Archive`]).
+fn read_err<'a>(archive: &'a Path, what: &'a str) -> impl FnOnce(io::Error) -> BundleError + 'a {
+    move |e| {
+        if e.raw_os_error().is_some() {
+            BundleError::Io { path: archive.to_owned(), op: "read", source: e }
+        } else {
+            bad(archive, format!("{what}: cannot read: {e}"))
+        }
+    }
 }
 
 /// Whether `name` can be a bundle's folder name: 1 to 100 bytes of ASCII letters, digits, `.`,
@@ -289,6 +307,10 @@ impl Drop for Staging {
 
 /// Remove the staging folders (`.NAME.partial-PID`) of processes no longer running.
 fn remove_stale(bundles_dir: &Path) {
+    // without /proc no process can be told dead: leave them
+    if !Path::new("/proc/self").exists() {
+        return;
+    }
     let Ok(rd) = fs::read_dir(bundles_dir) else { return };
     for e in rd.flatten() {
         let name = e.file_name();
@@ -308,6 +330,7 @@ fn next_member<'a, R: Read>(entries: &mut tar::Entries<'a, R>, archive: &Path) -
     match entries.next() {
         None => Ok(None),
         Some(Ok(e)) => Ok(Some(e)),
+        Some(Err(e)) if e.raw_os_error().is_some() => Err(BundleError::Io { path: archive.to_owned(), op: "read", source: e }),
         Some(Err(e)) => Err(bad(archive, format!("not a readable tar archive: {e}"))),
     }
 }
@@ -326,12 +349,12 @@ pub fn read_index<'a, R: Read>(entries: &mut tar::Entries<'a, R>, archive: &Path
     if name != INDEX_NAME || !first.header().entry_type().is_file() {
         return Err(not_ours(format!("its first member is {name:?}, not {INDEX_NAME}")));
     }
-    let size = first.header().size().map_err(|e| bad(archive, format!("{INDEX_NAME}: {e}")))?;
+    let size = first.size();
     if size > INDEX_MAX {
         return Err(bad(archive, format!("{INDEX_NAME} is {size} bytes, over the {INDEX_MAX}-byte limit")));
     }
-    let mut text = Vec::with_capacity(size as usize);
-    first.read_to_end(&mut text).map_err(|e| bad(archive, format!("{INDEX_NAME}: cannot read: {e}")))?;
+    let mut text = Vec::new();
+    (&mut first).take(INDEX_MAX).read_to_end(&mut text).map_err(read_err(archive, INDEX_NAME))?;
     let index: Index = serde_json::from_slice(&text).map_err(|e| bad(archive, format!("{INDEX_NAME}: {e}")))?;
     index.check(archive)?;
     Ok(index)
@@ -350,7 +373,9 @@ pub fn install(archive: &Path, bundles_dir: &Path, mut progress: impl FnMut(u64,
         return Err(bad(archive, "is a folder; bundle install takes the archive that tools/export/export pack writes"));
     }
     let mut tar = tar::Archive::new(BufReader::with_capacity(1 << 20, file));
-    let mut entries = tar.entries().map_err(|e| bad(archive, format!("not a readable tar archive: {e}")))?;
+    // raw: pax and GNU long-name records come back as members of their own (and are refused:
+    // herald's archives have none), never silently renaming or resizing the next member
+    let mut entries = tar.entries().map_err(|e| bad(archive, format!("not a readable tar archive: {e}")))?.raw(true);
     let index = read_index(&mut entries, archive)?;
     let target = bundles_dir.join(&index.name);
     if target.symlink_metadata().is_ok() {
@@ -358,6 +383,19 @@ pub fn install(archive: &Path, bundles_dir: &Path, mut progress: impl FnMut(u64,
     }
     fs::create_dir_all(bundles_dir).map_err(io_err(bundles_dir, "create"))?;
     remove_stale(bundles_dir);
+    if let Ok(st) = nix::sys::statvfs::statvfs(bundles_dir) {
+        let free = st.blocks_available().saturating_mul(st.fragment_size());
+        if free < index.bytes {
+            return Err(BundleError::Io {
+                path: bundles_dir.to_owned(),
+                op: "install",
+                source: io::Error::new(
+                    io::ErrorKind::StorageFull,
+                    format!("the bundle needs {:.1} MB, {:.1} MB are free", index.bytes as f64 / 1e6, free as f64 / 1e6),
+                ),
+            });
+        }
+    }
     let staging = bundles_dir.join(format!(".{}.partial-{}", index.name, std::process::id()));
     let _ = fs::remove_dir_all(&staging);
     fs::create_dir(&staging).map_err(io_err(&staging, "create"))?;
@@ -379,7 +417,7 @@ pub fn install(archive: &Path, bundles_dir: &Path, mut progress: impl FnMut(u64,
         if !member.header().entry_type().is_file() {
             return Err(bad(archive, format!("{name} is not a regular file (a link, a folder or a device)")));
         }
-        let size = member.header().size().map_err(|e| bad(archive, format!("{name}: {e}")))?;
+        let size = member.size();
         if size != want.size {
             return Err(bad(archive, format!("{name} is {size} bytes in the archive and {} in its index", want.size)));
         }
@@ -391,7 +429,7 @@ pub fn install(archive: &Path, bundles_dir: &Path, mut progress: impl FnMut(u64,
         let mut hash = Sha256::new();
         let mut got = 0u64;
         loop {
-            let n = member.read(&mut buf).map_err(|e| bad(archive, format!("{name}: cannot read: {e}")))?;
+            let n = member.read(&mut buf).map_err(read_err(archive, &name))?;
             if n == 0 {
                 break;
             }
@@ -435,6 +473,16 @@ pub fn install(archive: &Path, bundles_dir: &Path, mut progress: impl FnMut(u64,
     if let Some(missing) = manifest.files().into_iter().find(|f| !listed.contains(f)) {
         return Err(bad(archive, format!("bundle.toml names {missing}, which the archive does not hold")));
     }
+    // the hashes bundle.toml records (what `model.verify` checks at load) agree with the index's
+    let hashes: BTreeMap<&str, &str> = index.files.iter().map(|f| (f.path.as_str(), f.sha256.as_str())).collect();
+    let mut recorded = vec![(manifest.tokenizer.file.as_str(), manifest.tokenizer.sha256.as_str())];
+    recorded.extend(manifest.graphs.values().map(|g| (g.file.as_str(), g.sha256.as_str())));
+    if let Some(q) = &manifest.qnn {
+        recorded.extend(q.binaries.iter().map(|b| (b.file.as_str(), b.sha256.as_str())));
+    }
+    if let Some((file, _)) = recorded.iter().find(|(f, h)| hashes.get(f).is_some_and(|got| !got.eq_ignore_ascii_case(h))) {
+        return Err(bad(archive, format!("{file}: its SHA-256 is not the one bundle.toml records: the bundle was altered")));
+    }
     sync_dirs(&staging)?;
     // NOREPLACE: an install of the same name that finished meanwhile is not overwritten (a
     // file system without it, EINVAL: checked just before a plain rename instead)
@@ -443,16 +491,22 @@ pub fn install(archive: &Path, bundles_dir: &Path, mut progress: impl FnMut(u64,
     match nix::fcntl::renameat2(None, &staging, None, &target, nix::fcntl::RenameFlags::RENAME_NOREPLACE) {
         Ok(()) => {}
         Err(nix::errno::Errno::EEXIST | nix::errno::Errno::ENOTEMPTY) => return Err(exists()),
-        Err(nix::errno::Errno::EINVAL) => {
+        Err(nix::errno::Errno::EINVAL | nix::errno::Errno::ENOSYS) => {
+            // rename(2) would replace an empty folder of that name: checked just before
             if target.symlink_metadata().is_ok() {
                 return Err(exists());
             }
-            fs::rename(&staging, &target).map_err(into_place)?;
+            let taken = [nix::errno::Errno::EEXIST, nix::errno::Errno::ENOTEMPTY].map(|e| e as i32);
+            fs::rename(&staging, &target)
+                .map_err(|e| if e.raw_os_error().is_some_and(|c| taken.contains(&c)) { exists() } else { into_place(e) })?;
         }
         Err(e) => return Err(into_place(io::Error::from(e))),
     }
     guard.0 = None;
-    File::open(bundles_dir).and_then(|d| d.sync_all()).map_err(io_err(bundles_dir, "sync"))?;
+    // installed: a failed sync of the folder's entry now is a warning, not a failed install
+    if let Err(e) = File::open(bundles_dir).and_then(|d| d.sync_all()) {
+        log::warn!("{}: cannot sync: {e} (the bundle is installed)", bundles_dir.display());
+    }
     let fact = |k: &str| index.model.get(k).and_then(|v| v.as_str()).unwrap_or("?").to_owned();
     let model = format!("{} {} {}", fact("type"), fact("size"), fact("weights"));
     Ok(Installed {
@@ -489,7 +543,7 @@ pub struct Listed {
 }
 
 /// The bundles in `bundles_dir`: each folder (or link to one) holding a `bundle.toml`, by name;
-/// hidden entries (staging folders) are skipped. A missing `bundles_dir` has none.
+/// hidden entries (staging folders) and the [`DEFAULT_LINK`] link are skipped. A missing `bundles_dir` has none.
 ///
 /// # Errors
 /// [`BundleError::Io`] when `bundles_dir` exists but cannot be read.
@@ -503,7 +557,8 @@ pub fn list(bundles_dir: &Path) -> Result<Vec<Listed>, BundleError> {
     for e in rd.flatten() {
         let Some(name) = e.file_name().to_str().map(str::to_owned) else { continue };
         let dir = e.path();
-        if name.starts_with('.') || !dir.join("bundle.toml").is_file() {
+        let is_link = e.file_type().is_ok_and(|t| t.is_symlink());
+        if name.starts_with('.') || (name == DEFAULT_LINK && is_link) || !dir.join("bundle.toml").is_file() {
             continue;
         }
         let model = fs::read_to_string(dir.join("bundle.toml"))
@@ -533,6 +588,43 @@ fn dir_bytes(dir: &Path) -> u64 {
             })
             .sum()
     })
+}
+
+/// The name of the link in `model.bundles_dir` that [`use_bundle`] points at a bundle: the last
+/// component of the default `model.bundle` (`/usr/share/herald/bundles/default`).
+pub const DEFAULT_LINK: &str = "default";
+
+/// Point `bundles_dir/default` (the default `model.bundle`) at the installed bundle `name`: a
+/// relative symbolic link, replaced in one rename (a reader sees the old bundle or the new one).
+/// A running `herald serve` keeps the bundle it loaded until it is restarted.
+///
+/// # Errors
+/// [`BundleError::BadName`] (also for `default` itself), [`BundleError::Missing`],
+/// [`BundleError::NotALink`] when `default` is a real folder, [`BundleError::Io`].
+pub fn use_bundle(bundles_dir: &Path, name: &str) -> Result<PathBuf, BundleError> {
+    check_name(name)?;
+    if name == DEFAULT_LINK {
+        return Err(BundleError::BadName { name: name.to_owned(), why: "it is the link `herald bundle use` sets" });
+    }
+    let dir = bundles_dir.join(name);
+    if !dir.join("bundle.toml").is_file() {
+        return Err(BundleError::Missing { name: name.to_owned(), dir: bundles_dir.to_owned() });
+    }
+    let link = bundles_dir.join(DEFAULT_LINK);
+    if link.symlink_metadata().is_ok_and(|m| !m.file_type().is_symlink()) {
+        return Err(BundleError::NotALink { path: link });
+    }
+    let tmp = bundles_dir.join(format!(".{DEFAULT_LINK}.link-{}", std::process::id()));
+    let _ = fs::remove_file(&tmp);
+    std::os::unix::fs::symlink(name, &tmp).map_err(io_err(&tmp, "create"))?;
+    if let Err(e) = fs::rename(&tmp, &link) {
+        let _ = fs::remove_file(&tmp);
+        return Err(BundleError::Io { path: link, op: "replace", source: e });
+    }
+    if let Err(e) = File::open(bundles_dir).and_then(|d| d.sync_all()) {
+        log::warn!("{}: cannot sync: {e}", bundles_dir.display());
+    }
+    Ok(dir)
 }
 
 /// Remove the installed bundle `name` from `bundles_dir`; refused for the bundle `configured`

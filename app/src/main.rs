@@ -63,8 +63,8 @@ enum Command {
     /// Measure step latencies against the memory-bandwidth floor, the pipeline, load time and a
     /// thread sweep (docs/performance.md).
     Bench(cmd::bench::BenchArgs),
-    /// Install, list and remove bundles in model.bundles_dir (`herald bundle install ARCHIVE`
-    /// takes what `tools/export/export pack` writes; docs/bundle.md, "Bundle archives").
+    /// Install, list, remove and choose bundles in model.bundles_dir (`herald bundle install
+    /// ARCHIVE` takes what `tools/export/export pack` writes; docs/bundle.md, "Bundle archives").
     Bundle(cmd::bundle::BundleArgs),
     /// Run as the appliance: load the model once and serve the FIFO, Wyoming and HTTP (systemd notify).
     ///

@@ -156,6 +156,47 @@ fn an_installed_archive_speaks_like_its_bundle_and_is_listed_and_removed() {
     assert_one_error_line(&o, 2, "no bundle named \"tiny-0.6b\"");
     let o = herald(&["bundle", "remove", "../etc"], &dir);
     assert_one_error_line(&o, 2, "is not a bundle name");
+    // a bundle that is a link to a folder elsewhere: listed; removing it removes the link only
+    std::os::unix::fs::symlink(bundle(), dir.join("linked")).unwrap();
+    let o = herald(&["bundle", "list"], &dir);
+    assert!(String::from_utf8_lossy(&o.stdout).contains("linked"), "{}", String::from_utf8_lossy(&o.stdout));
+    let o = herald(&["bundle", "remove", "linked"], &dir);
+    assert!(o.status.success(), "{}", stderr(&o));
+    assert_eq!(entries(&dir), Vec::<String>::new());
+    assert!(bundle().join("bundle.toml").is_file(), "the link's target was removed");
+
+    // use: bundles_dir/default, the default model.bundle, links to it, and herald speaks with it
+    // without --bundle; list marks it and does not show the link; it cannot be removed
+    let o = herald(&["bundle", "install", packed().to_str().unwrap()], &dir);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let link = dir.join("default");
+    let env = [("HERALD_MODEL_BUNDLES_DIR", dir.to_str().unwrap()), ("HERALD_MODEL_BUNDLE", link.to_str().unwrap())];
+    let o = common::run(&["bundle", "use", "tiny-0.6b"], &env, None);
+    assert!(o.status.success(), "{}", stderr(&o));
+    assert!(String::from_utf8_lossy(&o.stdout).contains("now links to"), "{}", String::from_utf8_lossy(&o.stdout));
+    assert_eq!(std::fs::read_link(&link).unwrap(), PathBuf::from("tiny-0.6b"));
+    let o = common::run(&["speak", "Installed.", "--seed", "3", "--raw"], &env, None);
+    assert!(o.status.success(), "{}", stderr(&o));
+    assert!(o.stdout == raw(&bundle()), "the bundle in use speaks other samples");
+    let o = common::run(&["bundle", "list"], &env, None);
+    let listed = String::from_utf8_lossy(&o.stdout).into_owned();
+    assert_eq!(listed.lines().count(), 1, "{listed}");
+    assert!(listed.starts_with("* tiny-0.6b"), "{listed}");
+    let o = common::run(&["bundle", "remove", "tiny-0.6b"], &env, None);
+    assert_one_error_line(&o, 2, "is model.bundle");
+    let o = common::run(&["bundle", "use", "nothing"], &env, None);
+    assert_one_error_line(&o, 2, "no bundle named \"nothing\"");
+    let o = common::run(&["bundle", "use", "default"], &env, None);
+    assert_one_error_line(&o, 2, "it is the link `herald bundle use` sets");
+    // with model.bundle set elsewhere, use says that setting wins
+    let o = herald(&["bundle", "use", "tiny-0.6b"], &dir);
+    assert!(String::from_utf8_lossy(&o.stdout).contains("note: model.bundle is"), "{}", String::from_utf8_lossy(&o.stdout));
+    // a real folder named default (an image's own bundle) is not replaced
+    let other = d.join("other");
+    std::fs::create_dir_all(other.join("default")).unwrap();
+    std::os::unix::fs::symlink(bundle(), other.join("tiny")).unwrap();
+    let o = herald(&["bundle", "use", "tiny"], &other);
+    assert_one_error_line(&o, 2, "is a folder, not a link herald manages");
 }
 
 #[test]
@@ -235,6 +276,61 @@ fn damaged_cut_altered_and_hostile_archives_are_refused_leaving_nothing() {
     refused("fingerprint.tar", &a, 4, "the fingerprint does not match");
     let idx = index("../up", 1, &files);
     refused("name.tar", &ustar(&[("herald-bundle.json", b'0', "", &idx)]), 4, "is not a bundle name");
+    // tar extension records (pax, GNU long names) are refused as members, never applied: a pax
+    // `size` would make the index read gigabytes, a long name rename the next member
+    let idx = index("pax", 1, &files);
+    let a = ustar(&[("PaxHeader", b'x', "", b"19 size=4000000000\n"), ("herald-bundle.json", b'0', "", &idx)]);
+    refused("pax.tar", &a, 4, "its first member is \"PaxHeader\", not herald-bundle.json");
+    let a = ustar(&[
+        ("herald-bundle.json", b'0', "", &idx),
+        ("bundle.toml", b'0', "", &toml),
+        ("././@LongLink", b'L', "", b"tokenizer.json\0"),
+        ("tokenizer.json", b'0', "", evil),
+    ]);
+    refused("longname.tar", &a, 4, "member 2 is \"././@LongLink\" where the index lists tokenizer.json");
+    // a hard link, and a member of another size than the index says
+    let a = ustar(&[
+        ("herald-bundle.json", b'0', "", &idx),
+        ("bundle.toml", b'0', "", &toml),
+        ("tokenizer.json", b'1', "bundle.toml", b""),
+    ]);
+    refused("hardlink.tar", &a, 4, "tokenizer.json is not a regular file");
+    let a =
+        ustar(&[("herald-bundle.json", b'0', "", &idx), ("bundle.toml", b'0', "", &toml), ("tokenizer.json", b'0', "", b"owned!")]);
+    refused("size.tar", &a, 4, "tokenizer.json is 6 bytes in the archive and 5 in its index");
+    // an index over the limit, a path twice, a file that is also a folder, the index as a file
+    refused(
+        "huge-index.tar",
+        &ustar(&[("herald-bundle.json", b'0', "", &vec![b' '; (1 << 20) + 1])]),
+        4,
+        "over the 1048576-byte limit",
+    );
+    for (label, list, needle) in [
+        ("twice", vec!["bundle.toml", "bundle.toml"], "bundle.toml is listed twice"),
+        ("file-and-folder", vec!["bundle.toml", "a", "a/b"], "a is a file and a folder"),
+        ("index-as-file", vec!["bundle.toml", "herald-bundle.json"], "\"herald-bundle.json\" is not a path inside a bundle"),
+    ] {
+        let files: Vec<(&str, &[u8])> = list.iter().map(|p| (*p, evil)).collect();
+        let idx = index(label, 1, &files);
+        refused(&format!("{label}.tar"), &ustar(&[("herald-bundle.json", b'0', "", &idx)]), 4, needle);
+    }
+    // consistent with its index, but a file bundle.toml records another SHA-256 for (altered
+    // after the export): what model.verify would refuse at every start is refused here
+    let mut files: Vec<(String, Vec<u8>)> = std::fs::read_dir(bundle())
+        .unwrap()
+        .map(|e| {
+            let e = e.unwrap();
+            (e.file_name().to_string_lossy().into_owned(), std::fs::read(e.path()).unwrap())
+        })
+        .collect();
+    files.sort();
+    files.iter_mut().find(|(n, _)| n == "tokenizer.json").unwrap().1.push(b' ');
+    let listed: Vec<(&str, &[u8])> = files.iter().map(|(n, d)| (n.as_str(), d.as_slice())).collect();
+    let idx = index("altered", 1, &listed);
+    let mut members: Vec<(&str, u8, &str, &[u8])> = vec![("herald-bundle.json", b'0', "", &idx)];
+    members.extend(listed.iter().map(|(n, d)| (*n, b'0', "", *d)));
+    refused("altered.tar", &ustar(&members), 4, "tokenizer.json: its SHA-256 is not the one bundle.toml records");
+
     // a missing archive is bad input
     let o = herald(&["bundle", "install", d.join("nowhere.tar").to_str().unwrap()], &dir);
     assert_one_error_line(&o, 2, "nowhere.tar: cannot open");

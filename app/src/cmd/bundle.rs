@@ -1,4 +1,5 @@
-//! `herald bundle install ARCHIVE | list | remove NAME`: the bundles in `model.bundles_dir`
+//! `herald bundle install ARCHIVE | list | remove NAME | use NAME`: the bundles in
+//! `model.bundles_dir`
 //! ([`crate::bundles`]; docs/bundle.md, "Bundle archives").
 
 use std::path::PathBuf;
@@ -28,6 +29,12 @@ enum BundleCommand {
     List,
     /// Remove a bundle from model.bundles_dir (not the one model.bundle names).
     Remove {
+        /// The bundle's name (its folder in model.bundles_dir).
+        name: String,
+    },
+    /// Speak with an installed bundle: model.bundles_dir/default (the default model.bundle)
+    /// becomes a link to it; a running `herald serve` loads it when restarted.
+    Use {
         /// The bundle's name (its folder in model.bundles_dir).
         name: String,
     },
@@ -89,6 +96,18 @@ pub fn run(config: Option<&std::path::Path>, args: BundleArgs) -> Result<(), Fai
         BundleCommand::Remove { name } => {
             let gone = bundles::remove(dir, &name, &cfg.model.bundle).map_err(code)?;
             println!("removed {}", gone.display());
+        }
+        BundleCommand::Use { name } => {
+            let chosen = bundles::use_bundle(dir, &name).map_err(code)?;
+            let link = dir.join(bundles::DEFAULT_LINK);
+            println!("{} now links to {} (restart herald serve to load it)", link.display(), chosen.display());
+            if cfg.model.bundle != link {
+                println!(
+                    "note: model.bundle is {}, so herald keeps using that; remove the setting (or set it to {}) to use {name}",
+                    cfg.model.bundle.display(),
+                    link.display()
+                );
+            }
         }
     }
     Ok(())

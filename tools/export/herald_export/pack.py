@@ -5,7 +5,8 @@ The archive is an uncompressed POSIX ustar file (the weights are float or alread
 numbers that do not compress much, and an uncompressed archive can be resumed and read from any
 offset). Its first member is the index, ``herald-bundle.json``, so that an installer reads it
 with one small ranged request and refuses a bundle it cannot load before downloading the rest;
-then every regular file of the bundle, sorted by path, each once.
+then every regular file of the bundle, sorted by path, each once (hidden names, ``.*``, are not
+bundle files and are left out).
 
 The index (JSON, UTF-8):
 
@@ -31,6 +32,7 @@ import hashlib
 import io
 import json
 import os
+import re
 import tarfile
 import tomllib
 from pathlib import Path
@@ -50,6 +52,25 @@ INDEX_MAX = 1 << 20
 FIRST_HERALD = {1: "0.1.0"}
 
 _CHUNK = 1 << 20
+#: The bundle names ``herald bundle install`` takes (app/src/bundles.rs ``check_name``).
+NAME_RE = re.compile(r"[A-Za-z0-9_-][A-Za-z0-9._-]{0,99}")
+
+
+class _Hashing(io.RawIOBase):
+    """Reads a file and hashes what was read (the copy is checked against the index)."""
+
+    def __init__(self, f):
+        self.f = f
+        self.h = hashlib.sha256()
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, b) -> int:
+        n = self.f.readinto(b)
+        if n:
+            self.h.update(memoryview(b)[:n])
+        return n
 
 
 def _sha256(path: Path) -> str:
@@ -60,17 +81,23 @@ def _sha256(path: Path) -> str:
     return h.hexdigest()
 
 
+def _walk_error(e: OSError) -> None:
+    raise ExportError(e.filename or "?", f"cannot read: {e.strerror or e}")
+
+
 def bundle_files(bundle: Path) -> list[Path]:
-    """The bundle's regular files, relative, sorted by their ``/`` path.
+    """The bundle's regular files, relative, sorted by their ``/`` path; hidden names (``.*``:
+    an interrupted export's leftovers, a desktop's metadata) are not bundle files and are left out.
 
     Raises :class:`ExportError` for a symlink, a device, a FIFO or a socket inside the bundle
-    (an archive carries only regular files) and for a name that is not UTF-8 or holds a newline
-    or a NUL (the fingerprint's separators).
+    (an archive carries only regular files), for an unreadable folder, and for a path that
+    ``herald bundle install`` would refuse (not UTF-8, a backslash, a NUL or a newline, over 255
+    bytes, or ``herald-bundle.json`` at the top).
     """
     out = []
-    for dirpath, dirnames, filenames in os.walk(bundle, followlinks=False):
-        dirnames.sort()
-        for name in sorted(dirnames + filenames):
+    for dirpath, dirnames, filenames in os.walk(bundle, followlinks=False, onerror=_walk_error):
+        dirnames[:] = sorted(d for d in dirnames if not d.startswith("."))
+        for name in sorted(dirnames + [f for f in filenames if not f.startswith(".")]):
             p = Path(dirpath) / name
             rel = p.relative_to(bundle)
             if p.is_symlink():
@@ -80,12 +107,16 @@ def bundle_files(bundle: Path) -> list[Path]:
             if not p.is_file():
                 raise ExportError(p, "is not a regular file; a bundle archive carries regular files only")
             s = rel.as_posix()
-            if "\n" in s or "\0" in s:
-                raise ExportError(p, "has a newline in its name")
             try:
-                s.encode("utf-8")
+                raw = s.encode("utf-8")
             except UnicodeEncodeError:
                 raise ExportError(p, "has a name that is not UTF-8") from None
+            if any(c in s for c in "\n\0\\"):
+                raise ExportError(p, "has a newline, NUL or backslash in its name")
+            if len(raw) > 255:
+                raise ExportError(p, "has a path over 255 bytes")
+            if s == INDEX_NAME:
+                raise ExportError(p, f"is named like the archive's index ({INDEX_NAME})")
             out.append(rel)
     return sorted(out, key=lambda r: r.as_posix())
 
@@ -124,12 +155,16 @@ def index(bundle: Path) -> dict:
         p = bundle / rel
         files.append({"path": rel.as_posix(), "size": p.stat().st_size, "sha256": _sha256(p)})
     model = manifest.get("model", {})
+    name = bundle.resolve().name
+    if not NAME_RE.fullmatch(name):
+        raise ExportError(bundle, "is not a name herald bundle install takes: 1 to 100 ASCII letters, digits, "
+                          "'.', '_' or '-', not starting with '.' (rename the folder)")
     return {
         "archive_version": ARCHIVE_VERSION,
-        "name": bundle.resolve().name,
+        "name": name,
         "format_version": version,
         "herald": {"min": FIRST_HERALD[version]},
-        "model": {k: model[k] for k in ("family", "type", "size", "dtype", "weights", "source") if k in model},
+        "model": {k: str(model[k]) for k in ("family", "type", "size", "dtype", "weights", "source") if k in model},
         "files": files,
         "bytes": sum(f["size"] for f in files),
         "fingerprint": fingerprint(files),
@@ -171,14 +206,16 @@ def pack(bundle: Path, out: Path) -> dict:
                 for f in idx["files"]:
                     p = bundle / f["path"]
                     try:
-                        with open(p, "rb") as src:
+                        with open(p, "rb") as raw_src:
+                            src = _Hashing(raw_src)
                             tar.addfile(_member(f["path"], f["size"]), src)
                     except OSError as e:
                         if e.errno is not None:
                             raise
                         # tarfile's "unexpected end of data": the file shrank
                         raise ExportError(p, "changed while it was packed") from None
-                    if p.stat().st_size != f["size"]:
+                    # what went into the archive is what the index says
+                    if src.h.hexdigest() != f["sha256"] or p.stat().st_size != f["size"]:
                         raise ExportError(p, "changed while it was packed")
             raw.flush()
             os.fsync(raw.fileno())

@@ -117,3 +117,45 @@ def test_what_cannot_be_packed_is_refused_naming_it_and_leaves_the_archive_as_it
     assert r.returncode == 0, r.stderr
     names = subprocess.run(["tar", "tf", str(tmp_path / "sub.tar")], capture_output=True, text=True, check=True).stdout.split()
     assert "qnn/talker.bin" in names and "qnn" not in names and "qnn/" not in names
+
+
+def test_hidden_files_are_left_out_and_names_install_would_refuse_are_refused(bundle, tmp_path):
+    copy = tmp_path / "copy"
+    shutil.copytree(bundle, copy)
+    (copy / ".DS_Store").write_bytes(b"x")
+    (copy / ".bundle.toml.partial-1").write_bytes(b"y")
+    r = pack(copy, tmp_path / "c.tar")
+    assert r.returncode == 0, r.stderr
+    names = subprocess.run(["tar", "tf", str(tmp_path / "c.tar")], capture_output=True, text=True, check=True).stdout.split()
+    assert not [n for n in names if n.startswith(".")], names
+    spaced = tmp_path / "my bundle"
+    shutil.copytree(bundle, spaced)
+    r = pack(spaced, tmp_path / "s.tar")
+    assert r.returncode == 2 and "is not a name herald bundle install takes" in r.stderr, r.stderr
+    (copy / "herald-bundle.json").write_text("{}")
+    r = pack(copy, tmp_path / "i.tar")
+    assert r.returncode == 2 and "is named like the archive's index" in r.stderr, r.stderr
+
+
+def test_a_file_changed_between_hashing_and_copying_is_refused(bundle, tmp_path, monkeypatch):
+    # in-process: the index is taken, then a file changes at the same size before it is copied
+    from herald_export import pack as packmod
+    from herald_export.errors import ExportError
+
+    copy = tmp_path / "copy"
+    shutil.copytree(bundle, copy)
+    real_index = packmod.index
+
+    def index_then_change(b):
+        idx = real_index(b)
+        p = copy / "talker.onnx"
+        data = bytearray(p.read_bytes())
+        data[-1] ^= 0xFF
+        p.write_bytes(bytes(data))
+        return idx
+
+    monkeypatch.setattr(packmod, "index", index_then_change)
+    out = tmp_path / "out.tar"
+    with pytest.raises(ExportError, match="talker.onnx: changed while it was packed"):
+        packmod.pack(copy, out)
+    assert not out.exists() and [p.name for p in tmp_path.iterdir()] == ["copy"]
