@@ -103,7 +103,8 @@ pub fn run(config: Option<&std::path::Path>, args: BundleArgs) -> Result<(), Fai
             println!("{} now links to {} (restart herald serve to load it)", link.display(), chosen.display());
             if cfg.model.bundle != link {
                 println!(
-                    "note: model.bundle is {}, so herald keeps using that; remove the setting (or set it to {}) to use {name}",
+                    "note: model.bundle is {}, not {}: herald speaks with {name} once model.bundle names that link (it does by \
+                     default, when model.bundles_dir is the default too)",
                     cfg.model.bundle.display(),
                     link.display()
                 );
