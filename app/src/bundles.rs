@@ -207,11 +207,7 @@ pub fn fingerprint(files: &[IndexFile]) -> String {
 }
 
 fn hex(bytes: &[u8]) -> String {
-    use std::fmt::Write as _;
-    bytes.iter().fold(String::with_capacity(bytes.len() * 2), |mut s, b| {
-        let _ = write!(s, "{b:02x}");
-        s
-    })
+    bytes.iter().map(|b| format!("{b:02x}")).collect()
 }
 
 impl Index {

@@ -481,23 +481,20 @@ fn out_picks_the_format_from_the_extension() {
         eprintln!("SKIPPED: no ffmpeg on PATH (scripts/prereqs installs it): the flac file was not decoded");
         return;
     }
-    let decoded = std::process::Command::new("ffmpeg")
-        .args(["-nostdin", "-v", "error", "-i"])
-        .arg(&flac)
-        .args(["-f", "s16le", "-ac", "1", "-ar", "24000", "-"])
-        .output()
-        .unwrap();
-    assert!(decoded.status.success(), "{}", String::from_utf8_lossy(&decoded.stderr));
-    assert!(decoded.stdout == raw.stdout, "the flac file decodes to other samples than --raw");
+    // S16LE mono at 24 kHz, as --raw writes it
+    let decode = |file: &std::path::Path| {
+        let o = std::process::Command::new("ffmpeg")
+            .args(["-nostdin", "-v", "error", "-i"])
+            .arg(file)
+            .args(["-f", "s16le", "-ac", "1", "-ar", "24000", "-"])
+            .output()
+            .unwrap();
+        assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+        o.stdout
+    };
+    assert!(decode(&flac) == raw.stdout, "the flac file decodes to other samples than --raw");
     // the opus file's end trim: as many samples as --raw (the samples themselves: service/tests/http.rs)
-    let decoded = std::process::Command::new("ffmpeg")
-        .args(["-nostdin", "-v", "error", "-i"])
-        .arg(&opus)
-        .args(["-f", "s16le", "-ac", "1", "-ar", "24000", "-"])
-        .output()
-        .unwrap();
-    assert!(decoded.status.success(), "{}", String::from_utf8_lossy(&decoded.stderr));
-    assert_eq!(decoded.stdout.len(), raw.stdout.len());
+    assert_eq!(decode(&opus).len(), raw.stdout.len());
 }
 
 #[test]

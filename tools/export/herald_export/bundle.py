@@ -26,7 +26,6 @@ nothing left behind and a previous bundle untouched.
 from __future__ import annotations
 
 import errno
-import hashlib
 import os
 import shutil
 import sys
@@ -66,13 +65,6 @@ FLOAT_WEIGHTS = ["code_predictor lm_heads", "norms", "embeddings (host tables)",
 DEFAULT_RAMP = [2, 4, 8, 16, 25]
 TABLE_ROWS_PER_CHUNK = 8192
 
-
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
 
 
 def projected_text_table(spec: ModelSpec, w: LMWeights, dtype, progress=None) -> np.ndarray:
@@ -218,7 +210,7 @@ def _disk_or_io_error(e: durable.WriteFailed, out: Path, need: int, replacing: b
 
 def _graph_entry(path: Path, model: onnx.ModelProto, weights: str, weight_bytes: int) -> dict:
     sig = io_signature(model)
-    return {"file": path.name, "sha256": _sha256(path), "weights": weights, "weight_bytes": weight_bytes,
+    return {"file": path.name, "sha256": durable.sha256_file(path), "weights": weights, "weight_bytes": weight_bytes,
             "inputs": sig["inputs"], "outputs": sig["outputs"]}
 
 

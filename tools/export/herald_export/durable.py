@@ -15,6 +15,7 @@
 from __future__ import annotations
 
 import ctypes
+import hashlib
 import errno
 import os
 import re
@@ -98,6 +99,15 @@ def exchange(a: str | Path, b: str | Path) -> bool:
     raise OSError(err, os.strerror(err), str(a), None, str(b))
 
 
+def sha256_file(path: str | Path) -> str:
+    """The SHA-256 of a file's bytes, lower-case hex (read in 1 MiB blocks)."""
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
 def pid_alive(pid: int) -> bool:
     """Whether process ``pid`` exists (``/proc/<pid>``; a zombie counts as alive)."""
     return os.path.exists(f"/proc/{pid}")
@@ -121,7 +131,7 @@ def old_name(out: Path, pid: int | None = None) -> Path:
 def remove_stale(out: Path) -> list[Path]:
     """Remove the temporary siblings of ``out`` left by killed exports; return what was removed.
 
-    Only directories named ``.<out.name>.partial-<pid>`` or ``.<out.name>.old-<pid>`` whose
+    Only directories (and, for ``.partial-``, files: ``export pack``'s archive) named ``.<out.name>.partial-<pid>`` or ``.<out.name>.old-<pid>`` whose
     process is gone are touched (this process's own pid counts as gone: it has not created
     them yet). One exception to removing: a ``.old-<pid>`` directory while ``out`` does not
     exist is the complete previous bundle of an export killed between the two renames of the
@@ -135,7 +145,8 @@ def remove_stale(out: Path) -> list[Path]:
     stale = []
     for p in parent.iterdir():
         m = pat.fullmatch(p.name)
-        if not m or p.is_symlink() or not p.is_dir():
+        # directories of both kinds; a file only as a partial (export pack's archive)
+        if not m or p.is_symlink() or (not p.is_dir() and m.group(1) != "partial"):
             continue
         pid = int(m.group(2))
         if pid != os.getpid() and pid_alive(pid):
@@ -148,7 +159,10 @@ def remove_stale(out: Path) -> list[Path]:
         fsync_dir(parent)
         stale = [(k, p) for k, p in stale if p != olds[0]]
     for _, p in stale:
-        shutil.rmtree(p, ignore_errors=True)
+        if p.is_dir():
+            shutil.rmtree(p, ignore_errors=True)
+        else:
+            p.unlink(missing_ok=True)
         removed.append(p)
     return removed
 
@@ -170,7 +184,8 @@ def remove_stale_tempdirs(prefixes: tuple[str, ...], tmpdir: str | Path) -> list
         return []
     for p in entries:
         m = pat.fullmatch(p.name)
-        if not m or p.is_symlink() or not p.is_dir():
+        # directories of both kinds; a file only as a partial (export pack's archive)
+        if not m or p.is_symlink() or (not p.is_dir() and m.group(1) != "partial"):
             continue
         pid = int(m.group(2))
         if pid == os.getpid() or pid_alive(pid):

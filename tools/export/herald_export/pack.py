@@ -51,7 +51,6 @@ INDEX_MAX = 1 << 20
 #: the format was introduced).
 FIRST_HERALD = {1: "0.1.0"}
 
-_CHUNK = 1 << 20
 #: The bundle names ``herald bundle install`` takes (app/src/bundles.rs ``check_name``).
 NAME_RE = re.compile(r"[A-Za-z0-9_-][A-Za-z0-9._-]{0,99}")
 
@@ -71,14 +70,6 @@ class _Hashing(io.RawIOBase):
         if n:
             self.h.update(memoryview(b)[:n])
         return n
-
-
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while chunk := f.read(_CHUNK):
-            h.update(chunk)
-    return h.hexdigest()
 
 
 def _walk_error(e: OSError) -> None:
@@ -153,7 +144,7 @@ def index(bundle: Path) -> dict:
     files = []
     for rel in bundle_files(bundle):
         p = bundle / rel
-        files.append({"path": rel.as_posix(), "size": p.stat().st_size, "sha256": _sha256(p)})
+        files.append({"path": rel.as_posix(), "size": p.stat().st_size, "sha256": durable.sha256_file(p)})
     model = manifest.get("model", {})
     name = bundle.resolve().name
     if not NAME_RE.fullmatch(name):
@@ -197,7 +188,8 @@ def pack(bundle: Path, out: Path) -> dict:
     if len(body) > INDEX_MAX:
         raise ExportError(bundle, f"its index is {len(body)} bytes, over the {INDEX_MAX}-byte limit installers read")
     out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_name(f".{out.name}.partial-{os.getpid()}")
+    durable.remove_stale(out)
+    tmp = durable.partial_name(out)
     try:
         with open(tmp, "wb") as raw:
             # ustar: names up to 100 (+155 prefix) bytes, sizes up to 8 GiB, no pax records

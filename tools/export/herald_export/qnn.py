@@ -36,7 +36,6 @@ from __future__ import annotations
 
 import contextlib
 import errno
-import hashlib
 import os
 import re
 import shutil
@@ -492,13 +491,6 @@ def load_manifest(bundle: Path) -> dict:
     return manifest
 
 
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
-
 
 def load_step_graph(bundle: Path, manifest: dict, stack: str) -> tuple[onnx.ModelProto, Path]:
     """The bundle's ``stack`` graph (a step graph, or with ``stack`` = ``vocoder`` the stateful
@@ -514,7 +506,7 @@ def load_step_graph(bundle: Path, manifest: dict, stack: str) -> tuple[onnx.Mode
     path = bundle / entry["file"]
     if not path.is_file():
         raise ExportError(path, f"missing: bundle.toml lists it as the {stack} graph")
-    if _sha256(path) != entry.get("sha256"):
+    if durable.sha256_file(path) != entry.get("sha256"):
         raise ExportError(path, "does not match its sha256 in bundle.toml (a modified or damaged bundle)")
     try:
         model = onnx.load(str(path))
@@ -689,7 +681,7 @@ def export_qnn(bundle: Path, arch_name: str, soc: int | None = None, talker_slot
                     shutil.copyfile(done.binary, dest)
                     os.chmod(dest, 0o644)
                 entry = {"stack": stack, "arch": arch.name, "soc_model": soc, "file": name,
-                         "sha256": _sha256(dest), "graph": done.graph}
+                         "sha256": durable.sha256_file(dest), "graph": done.graph}
                 if stack == VOCODER:
                     entry["frames"] = n
                 else:
