@@ -41,6 +41,8 @@
 //! exactly (the tests check it bit for bit against the portable reference); only the float
 //! scaling and the order of the sum over blocks differ between them.
 
+use std::ops::Range;
+
 /// Weights per Q4_0 block (GGML's `QK4_0`).
 pub const BLOCK_LEN: usize = 32;
 /// Bytes per Q4_0 block: an f16 scale, then 16 bytes holding weight `j` in the low nibble of
@@ -314,46 +316,92 @@ impl Kernel {
         if self.int8() { Layout::BlockDwords } else { Layout::Interleaved }
     }
 
-    /// `y[m][r] = Σ_c w[r][c] · x[m][c]` for every weight row `r < n` and `M` activation rows
-    /// `x` (row `m` at `x[m * w.padded_k()..]`, zero past `k`) into `y` (row `m` at
-    /// `y[m * y_stride..]`, column `r`).
-    fn gemm<const M: usize>(self, w: &Q4Weights, x: &[f32], y: &mut [f32], y_stride: usize) {
-        assert!((1..=MAX_X_ROWS).contains(&M) && x.len() >= M * w.padded_k());
-        assert!(y_stride >= w.n && y.len() >= (M - 1) * y_stride + w.n);
-        match self {
-            #[cfg(target_arch = "x86_64")]
-            // SAFETY: `product`, the only caller, asserted `runs_here`: AVX-512F, AVX2, FMA and
-            // F16C on this CPU; the asserts above bound every read of x and write of y.
-            Kernel::Avx512 => unsafe { crate::x86_64::q4::gemm_avx512::<M>(w, x, y, y_stride) },
-            #[cfg(target_arch = "x86_64")]
-            // SAFETY: as above, AVX2, FMA and F16C.
-            Kernel::Avx2 => unsafe { crate::x86_64::q4::gemm_avx2::<M>(w, x, y, y_stride) },
-            #[cfg(target_arch = "aarch64")]
-            // SAFETY: as above, NEON.
-            Kernel::Neon => unsafe { crate::aarch64::q4::gemm_neon::<M>(w, x, y, y_stride) },
-            k if k.int8() => unreachable!("{self:?} takes int8 activations (gemm_int8)"),
-            _ => crate::portable::q4::gemm_portable::<M>(w, x, y, y_stride),
+    /// `y[m][r] = Σ_c w[r][c] · x[m][c]` for every weight row `r < n` of the `panels` (four
+    /// rows each) and `m` activation rows `x` (row `m` at `x[m * w.padded_k()..]`, zero past
+    /// `k`) into `y` (row `m` at `y[m * y_stride..]`, column `r`).
+    ///
+    /// # Safety
+    /// `y` writable at `m * y_stride + r` for those rows and columns, and no other thread
+    /// touching them while this runs.
+    unsafe fn gemm(self, m: usize, w: &Q4Weights, x: &[f32], y: *mut f32, y_stride: usize, panels: Range<usize>) {
+        assert!((1..=MAX_X_ROWS).contains(&m) && x.len() >= m * w.padded_k() && y_stride >= w.n);
+        assert!(panels.end <= w.panels() && self.runs_here() && !self.int8());
+        // SAFETY (every arm): `runs_here` was asserted (the kernel's CPU features), the asserts
+        // above bound every read of x; the writes to y are the caller's contract.
+        unsafe {
+            match (self, m) {
+                #[cfg(target_arch = "x86_64")]
+                (Kernel::Avx512, 1) => crate::x86_64::q4::gemm_avx512::<1>(w, x, y, y_stride, panels),
+                #[cfg(target_arch = "x86_64")]
+                (Kernel::Avx512, 2) => crate::x86_64::q4::gemm_avx512::<2>(w, x, y, y_stride, panels),
+                #[cfg(target_arch = "x86_64")]
+                (Kernel::Avx512, 3) => crate::x86_64::q4::gemm_avx512::<3>(w, x, y, y_stride, panels),
+                #[cfg(target_arch = "x86_64")]
+                (Kernel::Avx512, _) => crate::x86_64::q4::gemm_avx512::<4>(w, x, y, y_stride, panels),
+                #[cfg(target_arch = "x86_64")]
+                (Kernel::Avx2, 1) => crate::x86_64::q4::gemm_avx2::<1>(w, x, y, y_stride, panels),
+                #[cfg(target_arch = "x86_64")]
+                (Kernel::Avx2, 2) => crate::x86_64::q4::gemm_avx2::<2>(w, x, y, y_stride, panels),
+                #[cfg(target_arch = "x86_64")]
+                (Kernel::Avx2, 3) => crate::x86_64::q4::gemm_avx2::<3>(w, x, y, y_stride, panels),
+                #[cfg(target_arch = "x86_64")]
+                (Kernel::Avx2, _) => crate::x86_64::q4::gemm_avx2::<4>(w, x, y, y_stride, panels),
+                #[cfg(target_arch = "aarch64")]
+                (Kernel::Neon, 1) => crate::aarch64::q4::gemm_neon::<1>(w, x, y, y_stride, panels),
+                #[cfg(target_arch = "aarch64")]
+                (Kernel::Neon, 2) => crate::aarch64::q4::gemm_neon::<2>(w, x, y, y_stride, panels),
+                #[cfg(target_arch = "aarch64")]
+                (Kernel::Neon, 3) => crate::aarch64::q4::gemm_neon::<3>(w, x, y, y_stride, panels),
+                #[cfg(target_arch = "aarch64")]
+                (Kernel::Neon, _) => crate::aarch64::q4::gemm_neon::<4>(w, x, y, y_stride, panels),
+                (_, 1) => crate::portable::q4::gemm_portable::<1>(w, x, y, y_stride, panels),
+                (_, 2) => crate::portable::q4::gemm_portable::<2>(w, x, y, y_stride, panels),
+                (_, 3) => crate::portable::q4::gemm_portable::<3>(w, x, y, y_stride, panels),
+                (_, _) => crate::portable::q4::gemm_portable::<4>(w, x, y, y_stride, panels),
+            }
         }
     }
 
-    /// As [`Kernel::gemm`] with the `M` activation rows quantized ([`quantize_row`]): row `m`
-    /// is `xq[m * w.groups..][..w.groups]`.
-    fn gemm_int8<const M: usize>(self, w: &Q4Weights, xq: &[QGroup], y: &mut [f32], y_stride: usize) {
-        assert!((1..=MAX_X_ROWS).contains(&M) && xq.len() >= M * w.groups && w.layout == Layout::BlockDwords);
-        assert!(y_stride >= w.n && y.len() >= (M - 1) * y_stride + w.n);
-        match self {
-            #[cfg(target_arch = "x86_64")]
-            // SAFETY: `product`, the only caller, asserted `runs_here`: AVX-512F, BW, VNNI, AVX2,
-            // FMA and F16C on this CPU; the asserts above bound every read of xq and write of y.
-            Kernel::Avx512Vnni => unsafe { crate::x86_64::q4::gemm_vnni::<M>(w, xq, y, y_stride) },
-            #[cfg(target_arch = "x86_64")]
-            // SAFETY: as above, AVX2, FMA, F16C and AVX-VNNI.
-            Kernel::AvxVnni => unsafe { crate::x86_64::q4::gemm_avxvnni::<M>(w, xq, y, y_stride) },
-            #[cfg(target_arch = "aarch64")]
-            // SAFETY: as above, NEON and the dot-product instructions.
-            Kernel::NeonDot => unsafe { crate::aarch64::q4::gemm_sdot::<M>(w, xq, y, y_stride) },
-            k if k.int8() => crate::portable::q4::gemm_portable_int8::<M>(w, xq, y, y_stride),
-            _ => unreachable!("{self:?} takes float32 activations (gemm)"),
+    /// As [`Kernel::gemm`] with the `m` activation rows quantized ([`quantize_row`]): row `i`
+    /// is `xq[i * w.groups..][..w.groups]`.
+    ///
+    /// # Safety
+    /// As [`Kernel::gemm`].
+    unsafe fn gemm_int8(self, m: usize, w: &Q4Weights, xq: &[QGroup], y: *mut f32, y_stride: usize, panels: Range<usize>) {
+        assert!((1..=MAX_X_ROWS).contains(&m) && xq.len() >= m * w.groups && w.layout == Layout::BlockDwords);
+        assert!(y_stride >= w.n && panels.end <= w.panels() && self.runs_here() && self.int8());
+        // SAFETY (every arm): as in `gemm`.
+        unsafe {
+            match (self, m) {
+                #[cfg(target_arch = "x86_64")]
+                (Kernel::Avx512Vnni, 1) => crate::x86_64::q4::gemm_vnni::<1>(w, xq, y, y_stride, panels),
+                #[cfg(target_arch = "x86_64")]
+                (Kernel::Avx512Vnni, 2) => crate::x86_64::q4::gemm_vnni::<2>(w, xq, y, y_stride, panels),
+                #[cfg(target_arch = "x86_64")]
+                (Kernel::Avx512Vnni, 3) => crate::x86_64::q4::gemm_vnni::<3>(w, xq, y, y_stride, panels),
+                #[cfg(target_arch = "x86_64")]
+                (Kernel::Avx512Vnni, _) => crate::x86_64::q4::gemm_vnni::<4>(w, xq, y, y_stride, panels),
+                #[cfg(target_arch = "x86_64")]
+                (Kernel::AvxVnni, 1) => crate::x86_64::q4::gemm_avxvnni::<1>(w, xq, y, y_stride, panels),
+                #[cfg(target_arch = "x86_64")]
+                (Kernel::AvxVnni, 2) => crate::x86_64::q4::gemm_avxvnni::<2>(w, xq, y, y_stride, panels),
+                #[cfg(target_arch = "x86_64")]
+                (Kernel::AvxVnni, 3) => crate::x86_64::q4::gemm_avxvnni::<3>(w, xq, y, y_stride, panels),
+                #[cfg(target_arch = "x86_64")]
+                (Kernel::AvxVnni, _) => crate::x86_64::q4::gemm_avxvnni::<4>(w, xq, y, y_stride, panels),
+                #[cfg(target_arch = "aarch64")]
+                (Kernel::NeonDot, 1) => crate::aarch64::q4::gemm_sdot::<1>(w, xq, y, y_stride, panels),
+                #[cfg(target_arch = "aarch64")]
+                (Kernel::NeonDot, 2) => crate::aarch64::q4::gemm_sdot::<2>(w, xq, y, y_stride, panels),
+                #[cfg(target_arch = "aarch64")]
+                (Kernel::NeonDot, 3) => crate::aarch64::q4::gemm_sdot::<3>(w, xq, y, y_stride, panels),
+                #[cfg(target_arch = "aarch64")]
+                (Kernel::NeonDot, _) => crate::aarch64::q4::gemm_sdot::<4>(w, xq, y, y_stride, panels),
+                (_, 1) => crate::portable::q4::gemm_portable_int8::<1>(w, xq, y, y_stride, panels),
+                (_, 2) => crate::portable::q4::gemm_portable_int8::<2>(w, xq, y, y_stride, panels),
+                (_, 3) => crate::portable::q4::gemm_portable_int8::<3>(w, xq, y, y_stride, panels),
+                (_, _) => crate::portable::q4::gemm_portable_int8::<4>(w, xq, y, y_stride, panels),
+            }
         }
     }
 }
@@ -410,18 +458,82 @@ pub fn quantize_row(x: &[f32], out: &mut [QGroup]) {
     }
 }
 
+/// Runs the parts of one product, on several threads where it has them: what a caller hands
+/// [`Kernel::product_split`]. The kernels start no threads of their own; `backend_tract` gives
+/// them the decode stage's thread pool (issue 36, item 3).
+pub trait Split: Sync {
+    /// How many threads may work on one product at once (1: the calling thread alone).
+    fn threads(&self) -> usize;
+
+    /// Calls `part(i)` once for every `i < parts`, on any of its threads, and returns when all
+    /// have returned.
+    fn run(&self, parts: usize, part: &(dyn Fn(usize) + Sync));
+}
+
+/// No split: the whole product on the calling thread.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct Serial;
+
+impl Split for Serial {
+    fn threads(&self) -> usize {
+        1
+    }
+
+    fn run(&self, parts: usize, part: &(dyn Fn(usize) + Sync)) {
+        (0..parts).for_each(part);
+    }
+}
+
+/// The fewest panels (four weight rows each) one part of a split product gets: 32 panels, 128
+/// rows, 72 KB of Q4_0 weights at `k` = 1024, about 6.5 µs at the build machine's 11 GB/s, so
+/// that handing a part to another thread (a few µs) stays small beside its work. The decode's
+/// products at 0.6B (`n` of 1024 to 3072 rows, the codebook heads 2048) split 8 to 24 ways at
+/// most; the tiny test bundles' products are not split.
+pub const MIN_SPLIT_PANELS: usize = 32;
+
+/// The output pointer of a split product, handed to the parts; each part writes only the rows
+/// of its own panels.
+#[derive(Clone, Copy)]
+struct Out(*mut f32);
+
+// SAFETY: the parts write disjoint elements through it (their own panels' rows), and
+// `product_split` holds the `&mut` it came from until every part has returned.
+unsafe impl Sync for Out {}
+// SAFETY: as above.
+unsafe impl Send for Out {}
+
+impl Out {
+    fn ptr(self) -> *mut f32 {
+        self.0
+    }
+}
+
 impl Kernel {
     /// `y = x · Wᵀ` for f32 `x` of `rows × k` (row-major) into `y` of `rows × n`: passes of up
-    /// to [`MAX_X_ROWS`] activation rows over the weights. When `k` is not a multiple of 128
-    /// (tiny bundles only) each pass copies its rows into a zero-padded buffer. An int8 kernel
-    /// quantizes each pass's rows ([`quantize_row`]) into a buffer of the calling thread, kept
-    /// between calls (a decode step allocates nothing once warm).
+    /// to [`MAX_X_ROWS`] activation rows over the weights, on the calling thread
+    /// ([`Kernel::product_split`] with [`Serial`]).
+    ///
+    /// # Panics
+    /// As [`Kernel::product_split`].
+    pub fn product(self, w: &Q4Weights, x: &[f32], y: &mut [f32]) {
+        self.product_split(w, x, y, &Serial);
+    }
+
+    /// `y = x · Wᵀ` as [`Kernel::product`], each pass's weight rows split into up to
+    /// `split.threads()` parts of consecutive panels (at least [`MIN_SPLIT_PANELS`] each) that
+    /// `split` runs, possibly at once. Every output element is computed by the same code in
+    /// the same order whatever the split: the result is bit for bit the serial one.
+    ///
+    /// When `k` is not a multiple of 128 (tiny bundles only) each pass copies its rows into a
+    /// zero-padded buffer. An int8 kernel quantizes each pass's rows ([`quantize_row`]) once,
+    /// on the calling thread, into a buffer of that thread kept between calls (a decode step
+    /// allocates nothing once warm).
     ///
     /// # Panics
     /// When the kernel does not run on this CPU ([`Kernel::runs_here`]), `w` is not in its
     /// [`Kernel::layout`], or `x` and `y` are not whole rows of `k` and `n` values with as many
     /// rows each (a caller's bug: `backend_tract` checks the shapes before).
-    pub fn product(self, w: &Q4Weights, x: &[f32], y: &mut [f32]) {
+    pub fn product_split(self, w: &Q4Weights, x: &[f32], y: &mut [f32], split: &dyn Split) {
         let (n, k, kp) = (w.n, w.k, w.padded_k());
         assert!(self.runs_here(), "the {self:?} kernel needs CPU features this CPU lacks");
         assert!(w.layout == self.layout(), "{self:?} reads weights in {:?}, not {:?}", self.layout(), w.layout);
@@ -431,6 +543,9 @@ impl Kernel {
             x.len(),
             y.len()
         );
+        let panels = w.panels();
+        let parts = split.threads().min(panels / MIN_SPLIT_PANELS).max(1);
+        let range = move |i: usize| panels * i / parts..panels * (i + 1) / parts;
         if self.int8() {
             thread_local! {
                 static QUANTIZED: std::cell::RefCell<Vec<QGroup>> = const { std::cell::RefCell::new(Vec::new()) };
@@ -444,12 +559,10 @@ impl Kernel {
                     for (row, out) in xs.chunks_exact(k).zip(xq.chunks_exact_mut(w.groups)) {
                         quantize_row(row, out);
                     }
-                    match m {
-                        1 => self.gemm_int8::<1>(w, xq, ys, n),
-                        2 => self.gemm_int8::<2>(w, xq, ys, n),
-                        3 => self.gemm_int8::<3>(w, xq, ys, n),
-                        _ => self.gemm_int8::<4>(w, xq, ys, n),
-                    }
+                    let (xq, out) = (&xq[..m * w.groups], Out(ys.as_mut_ptr()));
+                    // SAFETY: `ys` holds m rows of n; each part writes its own panels' rows.
+                    let part = |i: usize| unsafe { self.gemm_int8(m, w, xq, out.ptr(), n, range(i)) };
+                    if parts == 1 { part(0) } else { split.run(parts, &part) }
                 }
             });
             return;
@@ -467,12 +580,10 @@ impl Kernel {
                 }
                 &padded[..]
             };
-            match m {
-                1 => self.gemm::<1>(w, xs, ys, n),
-                2 => self.gemm::<2>(w, xs, ys, n),
-                3 => self.gemm::<3>(w, xs, ys, n),
-                _ => self.gemm::<4>(w, xs, ys, n),
-            }
+            let out = Out(ys.as_mut_ptr());
+            // SAFETY: as above.
+            let part = |i: usize| unsafe { self.gemm(m, w, xs, out.ptr(), n, range(i)) };
+            if parts == 1 { part(0) } else { split.run(parts, &part) }
         }
     }
 }
@@ -549,6 +660,62 @@ mod tests {
             out.extend(b.iter().map(|v| if d == 0.0 { 0.0 } else { (v * (1.0 / d)).round_ties_even() * d }));
         }
         out
+    }
+
+    /// A [`Split`] on `threads` scoped OS threads, each taking every `threads`-th part, that
+    /// records which parts ran (each exactly once, or the test fails).
+    struct Threads {
+        threads: usize,
+        ran: std::sync::Mutex<Vec<usize>>,
+    }
+
+    impl Split for Threads {
+        fn threads(&self) -> usize {
+            self.threads
+        }
+
+        fn run(&self, parts: usize, part: &(dyn Fn(usize) + Sync)) {
+            std::thread::scope(|s| {
+                for t in 0..self.threads.min(parts) {
+                    s.spawn(move || {
+                        for i in (t..parts).step_by(self.threads) {
+                            part(i);
+                            self.ran.lock().unwrap().push(i);
+                        }
+                    });
+                }
+            });
+        }
+    }
+
+    /// A product split over threads is bit for bit the serial one, for every kernel, on row
+    /// counts that split into uneven parts with a partial last panel (4·97 + 3 rows: 98 panels
+    /// in 2 or 3 parts) and on one too small to split (4·31 rows: one part, the split never
+    /// asked), for one activation row and several passes (1, 3, 6 rows); every part runs once.
+    #[test]
+    fn a_split_product_is_the_serial_one() {
+        for &(n, k, threads, parts) in &[(4 * 97 + 3, 256usize, 2usize, 2usize), (4 * 97 + 3, 160, 3, 3), (4 * 31, 128, 4, 1)] {
+            let bytes = blocks(n, k, (n + k) as u64, small_scale);
+            for kernel in Kernel::available() {
+                let w = Q4Weights::from_q4_0(&bytes, n, k, kernel.layout()).unwrap();
+                for rows in [1usize, 3, 6] {
+                    let x = floats(rows * k, (rows + n) as u64);
+                    let mut serial = vec![f32::NAN; rows * n];
+                    kernel.product(&w, &x, &mut serial);
+                    let split = Threads { threads, ran: Default::default() };
+                    let mut y = vec![f32::NAN; rows * n];
+                    kernel.product_split(&w, &x, &mut y, &split);
+                    let bits = |v: &[f32]| v.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
+                    assert_eq!(bits(&y), bits(&serial), "{kernel:?}, n {n}, k {k}, {rows} rows, {threads} threads");
+                    let mut ran = split.ran.into_inner().unwrap();
+                    ran.sort_unstable();
+                    let passes = rows.div_ceil(MAX_X_ROWS);
+                    let want: Vec<usize> =
+                        if parts == 1 { vec![] } else { (0..parts).flat_map(|i| std::iter::repeat_n(i, passes)).collect() };
+                    assert_eq!(ran, want, "{kernel:?}: parts run per pass");
+                }
+            }
+        }
     }
 
     /// Every kernel this CPU runs, one activation row and several, against the Q4_0

@@ -150,7 +150,8 @@ impl EvalOp for Q4MatMul {
             bail!("HeraldQ4MatMul: x {xs:?} holds {} values, not the {rows} rows of {k} its output {shape:?} needs", xv.len());
         }
         if !xv.is_empty() {
-            self.kernel.product(&self.weights, xv, view_mut::<f32>(&mut y)?);
+            let yv = view_mut::<f32>(&mut y)?;
+            crate::compute::with_split(|split| self.kernel.product_split(&self.weights, xv, yv, split));
         }
         Ok(tvec!(y.into_tvalue()))
     }

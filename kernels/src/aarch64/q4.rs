@@ -22,6 +22,8 @@
 use std::arch::aarch64::*;
 use std::arch::asm;
 
+use std::ops::Range;
+
 use crate::q4::{Group, Q4Weights, QGroup};
 
 /// How far ahead of the kernel a panel's stream is prefetched, in bytes: two groups of its
@@ -94,15 +96,16 @@ fn sdot(acc: int32x4_t, a: int8x16_t, b: int8x16_t) -> int32x4_t {
 /// docs; [`crate::q4::Kernel::gemm`] for the product).
 ///
 /// # Safety
-/// NEON and dotprod; `xq` holds `M` rows of `w.groups` groups, `y` `M` rows of
-/// `y_stride ≥ w.n`.
+/// NEON and dotprod; `xq` holds `M` rows of `w.groups` groups, `y` writable at
+/// `m * y_stride + r` for `m < M` and every row `r < w.n` of the `panels` (`≤ w.panels()`), no
+/// other thread touching those while it runs.
 #[target_feature(enable = "neon,dotprod")]
 #[allow(clippy::needless_range_loop)] // index loops: iterator adapters were not inlined here (see below)
-pub(crate) unsafe fn gemm_sdot<const M: usize>(w: &Q4Weights, xq: &[QGroup], y: &mut [f32], y_stride: usize) {
+pub(crate) unsafe fn gemm_sdot<const M: usize>(w: &Q4Weights, xq: &[QGroup], y: *mut f32, y_stride: usize, panels: Range<usize>) {
     let groups = w.groups;
     let xp = xq.as_ptr();
     let nibble = vdupq_n_u8(0x0F);
-    for p in 0..w.panels() {
+    for p in panels.clone() {
         let (nib, sc) = (w.panel_groups(p).as_ptr(), w.panel_scales(p).as_ptr());
         let mut acc = [[vdupq_n_f32(0.0); M]; 4];
         let mut d = [[0f32; 16]; 4];
@@ -161,7 +164,8 @@ pub(crate) unsafe fn gemm_sdot<const M: usize>(w: &Q4Weights, xq: &[QGroup], y: 
         }
         for (i, a) in acc.iter().enumerate().take(w.n - 4 * p) {
             for (m, v) in a.iter().enumerate() {
-                y[m * y_stride + 4 * p + i] = vaddvq_f32(*v);
+                // SAFETY: row p's outputs are this call's to write (the caller's contract)
+                unsafe { y.add(m * y_stride + 4 * p + i).write(vaddvq_f32(*v)) };
             }
         }
     }
@@ -200,13 +204,15 @@ unsafe fn block_neon<const M: usize, const LO: i32, const HI: i32>(
 /// the sums of x shared by the four rows.
 ///
 /// # Safety
-/// NEON; `x` holds `M` rows of `w.padded_k()`, `y` `M` rows of `y_stride ≥ w.n`.
+/// NEON; `x` holds `M` rows of `w.padded_k()`, `y` writable at
+/// `m * y_stride + r` for `m < M` and every row `r < w.n` of the `panels` (`≤ w.panels()`), no
+/// other thread touching those while it runs.
 #[target_feature(enable = "neon")]
 #[allow(clippy::needless_range_loop)] // i indexes the rows' groups, scales and accumulators together
-pub(crate) unsafe fn gemm_neon<const M: usize>(w: &Q4Weights, x: &[f32], y: &mut [f32], y_stride: usize) {
+pub(crate) unsafe fn gemm_neon<const M: usize>(w: &Q4Weights, x: &[f32], y: *mut f32, y_stride: usize, panels: Range<usize>) {
     let kp = w.padded_k();
     let xp = x.as_ptr();
-    for p in 0..w.panels() {
+    for p in panels.clone() {
         let (nib, sc) = (w.panel_groups(p).as_ptr(), w.panel_scales(p).as_ptr());
         let mut acc = [[vdupq_n_f32(0.0); M]; 4];
         let mut d = [[0f32; 16]; 4];
@@ -255,7 +261,8 @@ pub(crate) unsafe fn gemm_neon<const M: usize>(w: &Q4Weights, x: &[f32], y: &mut
         }
         for (i, a) in acc.iter().enumerate().take(w.n - 4 * p) {
             for (m, v) in a.iter().enumerate() {
-                y[m * y_stride + 4 * p + i] = vaddvq_f32(*v);
+                // SAFETY: row p's outputs are this call's to write (the caller's contract)
+                unsafe { y.add(m * y_stride + 4 * p + i).write(vaddvq_f32(*v)) };
             }
         }
     }

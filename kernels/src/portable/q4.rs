@@ -1,12 +1,24 @@
 //! The portable references of the Q4_0 products: plain Rust, any CPU; every vector kernel is
 //! tested against these ([`crate::q4`]).
 
+use std::ops::Range;
+
 use crate::q4::{BLOCK_LEN, GROUP_LEN, Q4Weights, QGroup};
 
 /// The reference of the int8 kernels: per block the exact integer `Σ (w − 8) q`, times
 /// `d_w · d_x`, summed over the blocks in order.
-pub(crate) fn gemm_portable_int8<const M: usize>(w: &Q4Weights, xq: &[QGroup], y: &mut [f32], y_stride: usize) {
-    for r in 0..w.n {
+///
+/// # Safety
+/// As the vector kernels: `y` writable at `m * y_stride + r` for `m < M` and every row `r` of
+/// `panels`, and no other thread touching those while it runs.
+pub(crate) unsafe fn gemm_portable_int8<const M: usize>(
+    w: &Q4Weights,
+    xq: &[QGroup],
+    y: *mut f32,
+    y_stride: usize,
+    panels: Range<usize>,
+) {
+    for r in 4 * panels.start..(4 * panels.end).min(w.n) {
         let (groups, sc) = (w.panel_groups(r / 4), w.panel_scales(r / 4));
         for m in 0..M {
             let xs = &xq[m * w.groups..][..w.groups];
@@ -24,15 +36,19 @@ pub(crate) fn gemm_portable_int8<const M: usize>(w: &Q4Weights, xq: &[QGroup], y
                     acc += t as f32 * (d * qg.d[h]);
                 }
             }
-            y[m * y_stride + r] = acc;
+            // SAFETY: row r lies in this call's panels (the caller's contract)
+            unsafe { y.add(m * y_stride + r).write(acc) };
         }
     }
 }
 
 /// The reference product: `Σ_b d_b · Σ_j (q_j − 8) · x_j`, in order (as [`Kernel::gemm`]).
-pub(crate) fn gemm_portable<const M: usize>(w: &Q4Weights, x: &[f32], y: &mut [f32], y_stride: usize) {
+///
+/// # Safety
+/// As [`gemm_portable_int8`].
+pub(crate) unsafe fn gemm_portable<const M: usize>(w: &Q4Weights, x: &[f32], y: *mut f32, y_stride: usize, panels: Range<usize>) {
     let kp = w.padded_k();
-    for r in 0..w.n {
+    for r in 4 * panels.start..(4 * panels.end).min(w.n) {
         let (groups, sc) = (w.panel_groups(r / 4), w.panel_scales(r / 4));
         for m in 0..M {
             let xs = &x[m * kp..][..kp];
@@ -50,7 +66,8 @@ pub(crate) fn gemm_portable<const M: usize>(w: &Q4Weights, x: &[f32], y: &mut [f
                     acc += half::f16::from_bits(d).to_f32() * t;
                 }
             }
-            y[m * y_stride + r] = acc;
+            // SAFETY: row r lies in this call's panels (the caller's contract)
+            unsafe { y.add(m * y_stride + r).write(acc) };
         }
     }
 }

@@ -4,6 +4,8 @@
 
 use std::arch::x86_64::*;
 
+use std::ops::Range;
+
 use crate::q4::{Group, Q4Weights, QGroup};
 
 /// How far ahead of the kernel a panel's stream is prefetched, in bytes: two groups of its
@@ -99,13 +101,14 @@ unsafe fn group_avx512<const M: usize>(group: *const Group, d: *const f32, xg: [
 /// `(q − 8) · d` and [`block_avx512`].
 ///
 /// # Safety
-/// AVX-512F, AVX2, FMA and F16C; `x` holds `M` rows of `w.padded_k()`, `y` `M` rows of
-/// `y_stride ≥ w.n`.
+/// AVX-512F, AVX2, FMA and F16C; `x` holds `M` rows of `w.padded_k()`, `y` writable at
+/// `m * y_stride + r` for `m < M` and every row `r < w.n` of the `panels` (`≤ w.panels()`), no
+/// other thread touching those while it runs.
 #[target_feature(enable = "avx512f,avx2,f16c,fma")]
-pub(crate) unsafe fn gemm_avx512<const M: usize>(w: &Q4Weights, x: &[f32], y: &mut [f32], y_stride: usize) {
+pub(crate) unsafe fn gemm_avx512<const M: usize>(w: &Q4Weights, x: &[f32], y: *mut f32, y_stride: usize, panels: Range<usize>) {
     let kp = w.padded_k();
     let xp = x.as_ptr();
-    for p in 0..w.panels() {
+    for p in panels.clone() {
         let (nib, sc) = (w.panel_groups(p).as_ptr(), w.panel_scales(p).as_ptr());
         let (mut a0, mut a1, mut a2, mut a3) =
             ([_mm512_setzero_ps(); M], [_mm512_setzero_ps(); M], [_mm512_setzero_ps(); M], [_mm512_setzero_ps(); M]);
@@ -133,7 +136,8 @@ pub(crate) unsafe fn gemm_avx512<const M: usize>(w: &Q4Weights, x: &[f32], y: &m
         }
         for (i, a) in [a0, a1, a2, a3].iter().enumerate().take(w.n - 4 * p) {
             for (m, v) in a.iter().enumerate() {
-                y[m * y_stride + 4 * p + i] = _mm512_reduce_add_ps(*v);
+                // SAFETY: row p's outputs are this call's to write (the caller's contract)
+                unsafe { y.add(m * y_stride + 4 * p + i).write(_mm512_reduce_add_ps(*v)) };
             }
         }
     }
@@ -163,11 +167,11 @@ unsafe fn half_block_avx2<const M: usize, const LO: i32, const HI: i32>(v: __m25
 /// AVX2, FMA and F16C; bounds as [`gemm_avx512`].
 #[target_feature(enable = "avx2,f16c,fma")]
 #[allow(clippy::needless_range_loop)] // i indexes the rows' groups, scales and accumulators together
-pub(crate) unsafe fn gemm_avx2<const M: usize>(w: &Q4Weights, x: &[f32], y: &mut [f32], y_stride: usize) {
+pub(crate) unsafe fn gemm_avx2<const M: usize>(w: &Q4Weights, x: &[f32], y: *mut f32, y_stride: usize, panels: Range<usize>) {
     let kp = w.padded_k();
     let xp = x.as_ptr();
     let eight = _mm256_set1_ps(8.0);
-    for p in 0..w.panels() {
+    for p in panels.clone() {
         let (nib, sc) = (w.panel_groups(p).as_ptr(), w.panel_scales(p).as_ptr());
         let mut acc = [[_mm256_setzero_ps(); M]; 4];
         let mut d = [[0f32; 16]; 4];
@@ -221,7 +225,8 @@ pub(crate) unsafe fn gemm_avx2<const M: usize>(w: &Q4Weights, x: &[f32], y: &mut
         }
         for (i, a) in acc.iter().enumerate().take(w.n - 4 * p) {
             for (m, v) in a.iter().enumerate() {
-                y[m * y_stride + 4 * p + i] = hsum256(*v);
+                // SAFETY: row p's outputs are this call's to write (the caller's contract)
+                unsafe { y.add(m * y_stride + 4 * p + i).write(hsum256(*v)) };
             }
         }
     }
@@ -234,14 +239,15 @@ pub(crate) unsafe fn gemm_avx2<const M: usize>(w: &Q4Weights, x: &[f32], y: &mut
 /// the lanes' integer sums by `d_w · d_x` (the four block scales repeat every four lanes).
 ///
 /// # Safety
-/// AVX-512F, BW, VNNI, AVX2, FMA and F16C; `xq` holds `M` rows of `w.groups` groups, `y`
-/// `M` rows of `y_stride ≥ w.n`.
+/// AVX-512F, BW, VNNI, AVX2, FMA and F16C; `xq` holds `M` rows of `w.groups` groups, `y` writable at
+/// `m * y_stride + r` for `m < M` and every row `r < w.n` of the `panels` (`≤ w.panels()`), no
+/// other thread touching those while it runs.
 #[target_feature(enable = "avx512f,avx512bw,avx512vnni,avx2,f16c,fma")]
-pub(crate) unsafe fn gemm_vnni<const M: usize>(w: &Q4Weights, xq: &[QGroup], y: &mut [f32], y_stride: usize) {
+pub(crate) unsafe fn gemm_vnni<const M: usize>(w: &Q4Weights, xq: &[QGroup], y: *mut f32, y_stride: usize, panels: Range<usize>) {
     let groups = w.groups;
     let xp = xq.as_ptr();
     let nibble = _mm512_set1_epi8(0x0F);
-    for p in 0..w.panels() {
+    for p in panels.clone() {
         let (nib, sc) = (w.panel_groups(p).as_ptr(), w.panel_scales(p).as_ptr());
         let mut acc = [[_mm512_setzero_ps(); M]; 4];
         let mut d = [[0f32; 16]; 4];
@@ -276,7 +282,8 @@ pub(crate) unsafe fn gemm_vnni<const M: usize>(w: &Q4Weights, xq: &[QGroup], y: 
         }
         for (i, a) in acc.iter().enumerate().take(w.n - 4 * p) {
             for (m, v) in a.iter().enumerate() {
-                y[m * y_stride + 4 * p + i] = _mm512_reduce_add_ps(*v);
+                // SAFETY: row p's outputs are this call's to write (the caller's contract)
+                unsafe { y.add(m * y_stride + 4 * p + i).write(_mm512_reduce_add_ps(*v)) };
             }
         }
     }
@@ -291,15 +298,16 @@ pub(crate) unsafe fn gemm_vnni<const M: usize>(w: &Q4Weights, xq: &[QGroup], y: 
 /// FMA by `d_w · d_x`.
 ///
 /// # Safety
-/// AVX2, FMA, F16C and AVX-VNNI; `xq` holds `M` rows of `w.groups` groups, `y` `M` rows of
-/// `y_stride ≥ w.n`.
+/// AVX2, FMA, F16C and AVX-VNNI; `xq` holds `M` rows of `w.groups` groups, `y` writable at
+/// `m * y_stride + r` for `m < M` and every row `r < w.n` of the `panels` (`≤ w.panels()`), no
+/// other thread touching those while it runs.
 #[target_feature(enable = "avx2,f16c,fma,avxvnni")]
 #[allow(clippy::needless_range_loop)] // index loops: see the comment in the loop
-pub(crate) unsafe fn gemm_avxvnni<const M: usize>(w: &Q4Weights, xq: &[QGroup], y: &mut [f32], y_stride: usize) {
+pub(crate) unsafe fn gemm_avxvnni<const M: usize>(w: &Q4Weights, xq: &[QGroup], y: *mut f32, y_stride: usize, panels: Range<usize>) {
     let groups = w.groups;
     let xp = xq.as_ptr();
     let nibble = _mm256_set1_epi8(0x0F);
-    for p in 0..w.panels() {
+    for p in panels.clone() {
         let (nib, sc) = (w.panel_groups(p).as_ptr(), w.panel_scales(p).as_ptr());
         let mut acc = [[_mm256_setzero_ps(); M]; 4];
         let mut d = [[0f32; 16]; 4];
@@ -351,7 +359,8 @@ pub(crate) unsafe fn gemm_avxvnni<const M: usize>(w: &Q4Weights, xq: &[QGroup], 
         }
         for (i, a) in acc.iter().enumerate().take(w.n - 4 * p) {
             for (m, v) in a.iter().enumerate() {
-                y[m * y_stride + 4 * p + i] = hsum256(*v);
+                // SAFETY: row p's outputs are this call's to write (the caller's contract)
+                unsafe { y.add(m * y_stride + 4 * p + i).write(hsum256(*v)) };
             }
         }
     }
