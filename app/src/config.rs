@@ -36,7 +36,7 @@ pub const DEFAULT_BUNDLES_DIR: &str = "/usr/share/herald/bundles";
 pub const CONFIG_ENV: &str = "HERALD_CONFIG";
 /// `HERALD_*` variables that are not settings but are used by herald or its tooling, so that
 /// they are not rejected as unknown settings.
-pub const ENV_ALLOWED: &[&str] = &[CONFIG_ENV, "HERALD_HW_PROFILE", "HERALD_PYTHON", "HERALD_Q4_KERNEL"];
+pub const ENV_ALLOWED: &[&str] = &[CONFIG_ENV, "HERALD_HW_PROFILE", "HERALD_PYTHON", "HERALD_Q4_KERNEL", "HERALD_Q4_SPLIT"];
 /// Prefixes of `HERALD_*` variables that are not settings (test hooks).
 pub const ENV_ALLOWED_PREFIXES: &[&str] = &["HERALD_TEST_"];
 
@@ -2338,7 +2338,9 @@ mod tests {
         );
         assert!(msg.contains("HERALD_AUDIO_VOLUME,"), "{msg}");
         assert!(
-            msg.ends_with("also allowed: HERALD_CONFIG, HERALD_HW_PROFILE, HERALD_PYTHON, HERALD_Q4_KERNEL, HERALD_TEST_*"),
+            msg.ends_with(
+                "also allowed: HERALD_CONFIG, HERALD_HW_PROFILE, HERALD_PYTHON, HERALD_Q4_KERNEL, HERALD_Q4_SPLIT, HERALD_TEST_*"
+            ),
             "{msg}"
         );
         // even when the file is fine, and before the file is read

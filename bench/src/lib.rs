@@ -485,15 +485,26 @@ pub struct BenchResult {
 pub fn step_set(b: &Bundle, cfg: &BenchConfig, threads: usize, pasts: &[usize], vocoder_steps: usize) -> Result<StepSet, EngineError> {
     set_compute_threads(threads);
     let bw = measure_bandwidth(cfg.bandwidth_bytes, threads, cfg.bandwidth_runs);
-    let mut talker = Vec::new();
-    for &p in pasts {
-        talker.push(talker_step(b, p, cfg.warmup, cfg.steps)?.with_floor(&bw));
-    }
-    let (cp, frame) = predictor_step(b, cfg.warmup, cfg.steps)?;
-    let ramp = &b.manifest.vocoder.ramp;
-    let chunk = ramp.last().copied().unwrap_or(25) as usize;
-    let ctx = b.manifest.vocoder.left_context_frames as usize;
-    let vocoder = vocoder_chunk(b, ctx, chunk, 1, vocoder_steps.max(1))?;
+    // the steps run as a pipeline stage of `threads` CPUs runs them: tract's products on the
+    // stage's executor, herald's Q4_0 products split over its threads (backend_tract::compute)
+    let stage = backend_tract::compute::StageThreads::new("bench", threads, std::sync::Arc::new(|| {}))
+        .map_err(|e| EngineError::Config(e.to_string()))?;
+    let mut measured = None;
+    model::backend::StageCompute::run(&stage, &mut || {
+        measured = Some((|| {
+            let mut talker = Vec::new();
+            for &p in pasts {
+                talker.push(talker_step(b, p, cfg.warmup, cfg.steps)?.with_floor(&bw));
+            }
+            let (cp, frame) = predictor_step(b, cfg.warmup, cfg.steps)?;
+            let ramp = &b.manifest.vocoder.ramp;
+            let chunk = ramp.last().copied().unwrap_or(25) as usize;
+            let ctx = b.manifest.vocoder.left_context_frames as usize;
+            let vocoder = vocoder_chunk(b, ctx, chunk, 1, vocoder_steps.max(1))?;
+            Ok::<_, EngineError>((talker, cp, frame, vocoder))
+        })());
+    });
+    let (talker, cp, frame, vocoder) = measured.ok_or_else(|| EngineError::Internal("the bench stage did not run".into()))??;
     Ok(StepSet { threads, bandwidth: bw.clone(), talker, code_predictor: cp.with_floor(&bw), predictor_frame: frame, vocoder })
 }
 
