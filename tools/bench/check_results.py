@@ -7,6 +7,9 @@ split, allocations per frame, peak RSS, load time, and a thread-sweep entry per 
 Used by scripts/test on the tiny bundle (the numbers themselves are not judged there).
 
 Usage: check_results.py --bench bench.json [--sweep N] [--ort ort.json]
+       check_results.py --board-report board-report.json --frames N --sweep N
+(the second: scripts/board-report's file, each round's embedded bench checked as above, the
+speak line's RTF, TTFA, frames and peak RSS, the clock and thermal snapshots, the load).
 Exit 0 when complete; 1 with one line per missing or implausible field.
 """
 
@@ -116,12 +119,63 @@ def check_ort(o: dict) -> None:
             positive(o, f"steps.{n}.{k}")
 
 
+def check_board_report(r: dict, frames: int, sweep: int) -> None:
+    if r.get("report_version") != 1:
+        problems.append(f"report_version: {r.get('report_version')!r}, expected 1")
+    for k in ("date_utc", "herald", "herald_command", "bundle", "machine.uname", "machine.cpu"):
+        get(r, k)
+    positive(r, "machine.cpus")
+    positive(r, "machine.mem_kib")
+    if not str(r.get("probe") or "").strip():
+        problems.append("probe: empty")
+    if r.get("frames") != frames:
+        problems.append(f"frames: {r.get('frames')!r}, expected {frames}")
+    positive(r, "load_minutes", allow_zero=True)
+    positive(r, "load_utterances", allow_zero=True)
+    if r.get("load_minutes", 0) > 0 and not r.get("load"):
+        problems.append("load: no snapshot during the load")
+    rounds = get(r, "rounds") or []
+    if len(rounds) != 2:
+        problems.append(f"rounds: {len(rounds)}, expected 2")
+    for i, rd in enumerate(rounds):
+        for when in ("before", "after"):
+            positive(r, f"rounds.{i}.{when}.t_s", allow_zero=True)
+            for k in ("cpu_khz", "thermal"):
+                if not isinstance(get(r, f"rounds.{i}.{when}.{k}"), list):
+                    problems.append(f"rounds.{i}.{when}.{k}: not a list")
+        for k in ("rtf", "ttfa_ms", "peak_rss_kib"):
+            positive(r, f"rounds.{i}.speak.{k}")
+        positive(r, f"rounds.{i}.speak.xruns", allow_zero=True)
+        if get(r, f"rounds.{i}.speak.frames") != frames:
+            problems.append(f"rounds.{i}.speak.frames: {rd.get('speak', {}).get('frames')!r}, expected {frames}")
+        before = len(problems)
+        check_bench(rd.get("bench") or {}, sweep)
+        problems[before:] = [f"rounds.{i}.bench.{p}" for p in problems[before:]]
+        if get(r, f"rounds.{i}.bench.pipeline.frames") != frames:
+            problems.append(f"rounds.{i}.bench.pipeline.frames: expected {frames}")
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--bench", type=Path, required=True)
+    ap.add_argument("--bench", type=Path)
+    ap.add_argument("--board-report", type=Path, help="scripts/board-report's JSON instead of --bench")
+    ap.add_argument("--frames", type=int, help="the board report's --frames")
     ap.add_argument("--sweep", type=int, required=True, help="expected thread-sweep entries")
     ap.add_argument("--ort", type=Path)
     a = ap.parse_args()
+    if (a.bench is None) == (a.board_report is None) or (a.board_report is not None and a.frames is None):
+        ap.error("give --bench, or --board-report with --frames")
+    if a.board_report is not None:
+        try:
+            check_board_report(json.loads(a.board_report.read_text(encoding="utf-8")), a.frames, a.sweep)
+        except (OSError, json.JSONDecodeError) as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 1
+        for p in problems:
+            print(f"error: {p}", file=sys.stderr)
+        if not problems:
+            print(f"{a.board_report}: every field present")
+        return 1 if problems else 0
     try:
         check_bench(json.loads(a.bench.read_text(encoding="utf-8")), a.sweep)
         if a.ort:
