@@ -141,6 +141,15 @@ fn cases() -> Vec<Case> {
         // boundary can (measured: q8 at frame 17 of a seeded case, q4 at frame 0). The sampler
         // itself is checked on the float bundles above.
     }
+    // HERALD_TEST_PARITY_PRESETS=a,b: only those bundles' cases (scripts/parity-aarch64, where
+    // every case runs under emulation); a name that matches no bundle is an error
+    if let Some(only) = std::env::var("HERALD_TEST_PARITY_PRESETS").ok().filter(|s| !s.is_empty()) {
+        let only: Vec<&str> = only.split(',').map(str::trim).collect();
+        for name in &only {
+            assert!(v.iter().any(|c| c.preset == *name), "HERALD_TEST_PARITY_PRESETS: no bundle {name:?}");
+        }
+        v.retain(|c| only.contains(&c.preset));
+    }
     v
 }
 
