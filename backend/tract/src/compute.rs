@@ -66,12 +66,18 @@ impl StageThreads {
 
 impl StageCompute for StageThreads {
     fn run(&self, f: &mut dyn FnMut()) {
-        let previous = CURRENT_SPLIT.replace(self.split.clone());
+        /// Puts the previous split back when the stage ends, also when it panics.
+        struct Restore(Option<Arc<SplitPool>>);
+        impl Drop for Restore {
+            fn drop(&mut self) {
+                CURRENT_SPLIT.set(self.0.take());
+            }
+        }
+        let _restore = Restore(CURRENT_SPLIT.replace(self.split.clone()));
         match &self.executor {
             Some(ex) => multithread_tract_scope(ex.clone(), &mut *f),
             None => f(),
         }
-        CURRENT_SPLIT.set(previous);
     }
 }
 
@@ -83,10 +89,11 @@ thread_local! {
 /// Runs `f` with the split of the stage running on this thread, [`kernels::q4::Serial`] outside
 /// any stage or on one CPU.
 pub(crate) fn with_split<R>(f: impl FnOnce(&dyn kernels::q4::Split) -> R) -> R {
-    CURRENT_SPLIT.with_borrow(|s| match s {
-        Some(pool) => f(&**pool),
+    // a clone of the Arc (no allocation), so that `f` runs without a borrow of the cell
+    match CURRENT_SPLIT.with_borrow(Option::clone) {
+        Some(pool) => f(&*pool),
         None => f(&kernels::q4::Serial),
-    })
+    }
 }
 
 /// The decode stage's helpers for herald's Q4_0 products ([`kernels::q4::Split`]): `threads − 1`
@@ -122,6 +129,9 @@ struct Shared {
     lock: std::sync::Mutex<()>,
     wake: std::sync::Condvar,
     quit: std::sync::atomic::AtomicBool,
+    /// A product is running: a second `run` meanwhile (nested in a part, or from another
+    /// thread sharing the pool) runs its parts serially instead of touching the job.
+    busy: std::sync::atomic::AtomicBool,
     /// A part panicked (a bug in a kernel): `run` resumes the first such panic on the caller's
     /// thread once all parts are done.
     panicked: std::sync::Mutex<Option<Box<dyn std::any::Any + Send>>>,
@@ -160,7 +170,14 @@ impl Shared {
                 // the caller never waits for it
                 // SAFETY: as above.
                 if let Err(payload) = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| unsafe { (*f)(next) })) {
-                    self.panicked.lock().unwrap_or_else(|e| e.into_inner()).get_or_insert(payload);
+                    let mut first = self.panicked.lock().unwrap_or_else(|e| e.into_inner());
+                    if first.is_none() {
+                        *first = Some(payload);
+                    } else {
+                        // a second payload is not dropped here: its drop could panic outside
+                        // the catch and leave the part uncounted
+                        std::mem::forget(payload);
+                    }
                 }
             }
             self.done.fetch_add(1, Release);
@@ -192,6 +209,7 @@ impl SplitPool {
             lock: Default::default(),
             wake: Default::default(),
             quit: Default::default(),
+            busy: Default::default(),
             panicked: Default::default(),
         });
         let mut pool = SplitPool { shared, workers: Vec::new() };
@@ -250,7 +268,7 @@ impl kernels::q4::Split for SplitPool {
 
     fn run(&self, parts: usize, part: &(dyn Fn(usize) + Sync)) {
         let s = &*self.shared;
-        if self.workers.is_empty() || parts <= 1 || parts > MAX_PARTS {
+        if self.workers.is_empty() || parts <= 1 || parts > MAX_PARTS || s.busy.swap(true, Acquire) {
             (0..parts).for_each(part);
             return;
         }
@@ -273,6 +291,7 @@ impl kernels::q4::Split for SplitPool {
         }
         // SAFETY: every part has returned and none is claimable: no thread reads the cell.
         unsafe { *s.job.get() = None };
+        s.busy.store(false, Release);
         if let Some(payload) = s.panicked.lock().unwrap_or_else(|e| e.into_inner()).take() {
             std::panic::resume_unwind(payload);
         }
@@ -320,8 +339,8 @@ mod tests {
         // parts long enough that the workers wake and take some (the caller alone could take
         // every short part before a worker looks)
         threads.lock().unwrap().clear();
-        pool.run(3, &|_| {
-            std::thread::sleep(std::time::Duration::from_millis(20));
+        pool.run(4, &|_| {
+            std::thread::sleep(std::time::Duration::from_millis(50));
             threads.lock().unwrap().insert(std::thread::current().id());
         });
         assert!(threads.lock().unwrap().len() > 1, "the parts all ran on one thread");
@@ -349,19 +368,87 @@ mod tests {
         assert_eq!(again.load(SeqCst), 3);
     }
 
-    /// A stage of two threads splits herald's Q4_0 products: a product inside `run` is bit for
-    /// bit the serial one (the kernels' own test checks every kernel), and `with_split` sees the
-    /// stage's pool only inside it.
+    /// A stage of two threads splits herald's Q4_0 products: inside `run`, `with_split` hands the
+    /// kernels the stage's pool, and a product of 80 panels (two parts) through it is bit for bit
+    /// the serial one, for every kernel this CPU runs (float32 and int8 activations), one row
+    /// and two passes; outside `run`, and on a stage of one thread, nothing is split; and the
+    /// stage's pool is put back when the stage's closure panics.
     #[test]
     fn a_stage_with_two_threads_splits_the_products() {
+        use kernels::q4::{Kernel, Q4Weights};
+        let (n, k) = (4 * 80, 256);
+        let mut seed = 0x2545_f491_4f6c_dd1du64;
+        let mut next = move || {
+            seed ^= seed << 13;
+            seed ^= seed >> 7;
+            seed ^= seed << 17;
+            seed
+        };
+        let mut blocks = Vec::new();
+        for _ in 0..n * k / 32 {
+            let d = half::f16::from_f32(0.01 + (next() % 100) as f32 / 1000.0);
+            blocks.extend_from_slice(&d.to_bits().to_le_bytes());
+            blocks.extend((0..16).map(|_| next() as u8));
+        }
+        let x: Vec<f32> = (0..5 * k).map(|_| (next() % 2001) as f32 / 1000.0 - 1.0).collect();
         let stage = StageThreads::new("test", 2, Arc::new(|| {})).unwrap();
         assert_eq!(with_split(|s| s.threads()), 1);
-        let mut inside = 0;
-        stage.run(&mut || inside = with_split(|s| s.threads()));
-        assert_eq!(inside, 2);
+        for kernel in Kernel::available() {
+            let w = Q4Weights::from_q4_0(&blocks, n, k, kernel.layout()).unwrap();
+            for rows in [1, 5] {
+                let mut serial = vec![f32::NAN; rows * n];
+                kernel.product(&w, &x[..rows * k], &mut serial);
+                let mut split = vec![f32::NAN; rows * n];
+                let mut threads = 0;
+                stage.run(&mut || {
+                    threads = with_split(|s| {
+                        kernel.product_split(&w, &x[..rows * k], &mut split, s);
+                        s.threads()
+                    })
+                });
+                assert_eq!(threads, 2);
+                let bits = |v: &[f32]| v.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
+                assert_eq!(bits(&split), bits(&serial), "{kernel:?}, {rows} rows");
+            }
+        }
         assert_eq!(with_split(|s| s.threads()), 1);
         let one = StageThreads::new("test", 1, Arc::new(|| {})).unwrap();
+        let mut inside = 0;
         one.run(&mut || inside = with_split(|s| s.threads()));
         assert_eq!(inside, 1);
+        let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| stage.run(&mut || panic!("the stage fails"))));
+        assert!(r.is_err());
+        assert_eq!(with_split(|s| s.threads()), 1, "the stage's pool was left installed after its panic");
+    }
+
+    /// A `run` inside a part (nested) and two `run`s at once from two threads on one pool: every
+    /// part of every product runs exactly once and nothing hangs (the second caller runs its
+    /// parts serially while the pool is busy).
+    #[test]
+    fn nested_and_concurrent_runs_run_every_part_once() {
+        let pool = SplitPool::new("test", 3, Arc::new(|| {})).unwrap();
+        let outer: Vec<AtomicUsize> = (0..4).map(|_| AtomicUsize::new(0)).collect();
+        let inner: Vec<AtomicUsize> = (0..4 * 3).map(|_| AtomicUsize::new(0)).collect();
+        pool.run(4, &|i| {
+            outer[i].fetch_add(1, SeqCst);
+            pool.run(3, &|j| {
+                inner[i * 3 + j].fetch_add(1, SeqCst);
+            });
+        });
+        assert!(outer.iter().chain(&inner).all(|c| c.load(SeqCst) == 1), "{outer:?} {inner:?}");
+        let counts: Vec<AtomicUsize> = (0..2 * 500 * 5).map(|_| AtomicUsize::new(0)).collect();
+        std::thread::scope(|s| {
+            for t in 0..2 {
+                let (pool, counts) = (&pool, &counts);
+                s.spawn(move || {
+                    for round in 0..500 {
+                        pool.run(5, &|i| {
+                            counts[(t * 500 + round) * 5 + i].fetch_add(1, SeqCst);
+                        });
+                    }
+                });
+            }
+        });
+        assert!(counts.iter().all(|c| c.load(SeqCst) == 1));
     }
 }
