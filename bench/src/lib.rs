@@ -483,7 +483,6 @@ pub struct BenchResult {
 /// # Errors
 /// Step or vocoder errors.
 pub fn step_set(b: &Bundle, cfg: &BenchConfig, threads: usize, pasts: &[usize], vocoder_steps: usize) -> Result<StepSet, EngineError> {
-    set_compute_threads(threads);
     let bw = measure_bandwidth(cfg.bandwidth_bytes, threads, cfg.bandwidth_runs);
     // the steps run as a pipeline stage of `threads` CPUs runs them: tract's products on the
     // stage's executor, herald's Q4_0 products split over its threads (backend_tract::compute)
@@ -617,7 +616,6 @@ pub fn run(dir: &Path, cfg: &BenchConfig, allocs: Option<&dyn Fn() -> u64>) -> R
             sweep.push(step_set(&b, cfg, t, &cfg.pasts[..cfg.pasts.len().min(1)], 1)?);
         }
     }
-    set_compute_threads(cfg.threads);
     let m = &b.manifest;
     Ok(BenchResult {
         bundle: dir.display().to_string(),

@@ -184,6 +184,19 @@ impl Q4Weights {
     }
 }
 
+/// `$kernel::<M>(args)` with the const `M` (activation rows per pass, 1 to [`MAX_X_ROWS`])
+/// that the run-time row count `$m` names: the kernels are instantiated for each.
+macro_rules! by_rows {
+    ($m:expr, $($kernel:ident)::+ ($($arg:expr),* $(,)?)) => {
+        match $m {
+            1 => $($kernel)::+::<1>($($arg),*),
+            2 => $($kernel)::+::<2>($($arg),*),
+            3 => $($kernel)::+::<3>($($arg),*),
+            _ => $($kernel)::+::<4>($($arg),*),
+        }
+    };
+}
+
 /// Which kernel a product runs on, and with it the numerics of the activations.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Kernel {
@@ -329,35 +342,14 @@ impl Kernel {
         // SAFETY (every arm): `runs_here` was asserted (the kernel's CPU features), the asserts
         // above bound every read of x; the writes to y are the caller's contract.
         unsafe {
-            match (self, m) {
+            match self {
                 #[cfg(target_arch = "x86_64")]
-                (Kernel::Avx512, 1) => crate::x86_64::q4::gemm_avx512::<1>(w, x, y, y_stride, panels),
+                Kernel::Avx512 => by_rows!(m, crate::x86_64::q4::gemm_avx512(w, x, y, y_stride, panels)),
                 #[cfg(target_arch = "x86_64")]
-                (Kernel::Avx512, 2) => crate::x86_64::q4::gemm_avx512::<2>(w, x, y, y_stride, panels),
-                #[cfg(target_arch = "x86_64")]
-                (Kernel::Avx512, 3) => crate::x86_64::q4::gemm_avx512::<3>(w, x, y, y_stride, panels),
-                #[cfg(target_arch = "x86_64")]
-                (Kernel::Avx512, _) => crate::x86_64::q4::gemm_avx512::<4>(w, x, y, y_stride, panels),
-                #[cfg(target_arch = "x86_64")]
-                (Kernel::Avx2, 1) => crate::x86_64::q4::gemm_avx2::<1>(w, x, y, y_stride, panels),
-                #[cfg(target_arch = "x86_64")]
-                (Kernel::Avx2, 2) => crate::x86_64::q4::gemm_avx2::<2>(w, x, y, y_stride, panels),
-                #[cfg(target_arch = "x86_64")]
-                (Kernel::Avx2, 3) => crate::x86_64::q4::gemm_avx2::<3>(w, x, y, y_stride, panels),
-                #[cfg(target_arch = "x86_64")]
-                (Kernel::Avx2, _) => crate::x86_64::q4::gemm_avx2::<4>(w, x, y, y_stride, panels),
+                Kernel::Avx2 => by_rows!(m, crate::x86_64::q4::gemm_avx2(w, x, y, y_stride, panels)),
                 #[cfg(target_arch = "aarch64")]
-                (Kernel::Neon, 1) => crate::aarch64::q4::gemm_neon::<1>(w, x, y, y_stride, panels),
-                #[cfg(target_arch = "aarch64")]
-                (Kernel::Neon, 2) => crate::aarch64::q4::gemm_neon::<2>(w, x, y, y_stride, panels),
-                #[cfg(target_arch = "aarch64")]
-                (Kernel::Neon, 3) => crate::aarch64::q4::gemm_neon::<3>(w, x, y, y_stride, panels),
-                #[cfg(target_arch = "aarch64")]
-                (Kernel::Neon, _) => crate::aarch64::q4::gemm_neon::<4>(w, x, y, y_stride, panels),
-                (_, 1) => crate::portable::q4::gemm_portable::<1>(w, x, y, y_stride, panels),
-                (_, 2) => crate::portable::q4::gemm_portable::<2>(w, x, y, y_stride, panels),
-                (_, 3) => crate::portable::q4::gemm_portable::<3>(w, x, y, y_stride, panels),
-                (_, _) => crate::portable::q4::gemm_portable::<4>(w, x, y, y_stride, panels),
+                Kernel::Neon => by_rows!(m, crate::aarch64::q4::gemm_neon(w, x, y, y_stride, panels)),
+                _ => by_rows!(m, crate::portable::q4::gemm_portable(w, x, y, y_stride, panels)),
             }
         }
     }
@@ -372,35 +364,14 @@ impl Kernel {
         assert!(y_stride >= w.n && panels.end <= w.panels() && self.runs_here() && self.int8());
         // SAFETY (every arm): as in `gemm`.
         unsafe {
-            match (self, m) {
+            match self {
                 #[cfg(target_arch = "x86_64")]
-                (Kernel::Avx512Vnni, 1) => crate::x86_64::q4::gemm_vnni::<1>(w, xq, y, y_stride, panels),
+                Kernel::Avx512Vnni => by_rows!(m, crate::x86_64::q4::gemm_vnni(w, xq, y, y_stride, panels)),
                 #[cfg(target_arch = "x86_64")]
-                (Kernel::Avx512Vnni, 2) => crate::x86_64::q4::gemm_vnni::<2>(w, xq, y, y_stride, panels),
-                #[cfg(target_arch = "x86_64")]
-                (Kernel::Avx512Vnni, 3) => crate::x86_64::q4::gemm_vnni::<3>(w, xq, y, y_stride, panels),
-                #[cfg(target_arch = "x86_64")]
-                (Kernel::Avx512Vnni, _) => crate::x86_64::q4::gemm_vnni::<4>(w, xq, y, y_stride, panels),
-                #[cfg(target_arch = "x86_64")]
-                (Kernel::AvxVnni, 1) => crate::x86_64::q4::gemm_avxvnni::<1>(w, xq, y, y_stride, panels),
-                #[cfg(target_arch = "x86_64")]
-                (Kernel::AvxVnni, 2) => crate::x86_64::q4::gemm_avxvnni::<2>(w, xq, y, y_stride, panels),
-                #[cfg(target_arch = "x86_64")]
-                (Kernel::AvxVnni, 3) => crate::x86_64::q4::gemm_avxvnni::<3>(w, xq, y, y_stride, panels),
-                #[cfg(target_arch = "x86_64")]
-                (Kernel::AvxVnni, _) => crate::x86_64::q4::gemm_avxvnni::<4>(w, xq, y, y_stride, panels),
+                Kernel::AvxVnni => by_rows!(m, crate::x86_64::q4::gemm_avxvnni(w, xq, y, y_stride, panels)),
                 #[cfg(target_arch = "aarch64")]
-                (Kernel::NeonDot, 1) => crate::aarch64::q4::gemm_sdot::<1>(w, xq, y, y_stride, panels),
-                #[cfg(target_arch = "aarch64")]
-                (Kernel::NeonDot, 2) => crate::aarch64::q4::gemm_sdot::<2>(w, xq, y, y_stride, panels),
-                #[cfg(target_arch = "aarch64")]
-                (Kernel::NeonDot, 3) => crate::aarch64::q4::gemm_sdot::<3>(w, xq, y, y_stride, panels),
-                #[cfg(target_arch = "aarch64")]
-                (Kernel::NeonDot, _) => crate::aarch64::q4::gemm_sdot::<4>(w, xq, y, y_stride, panels),
-                (_, 1) => crate::portable::q4::gemm_portable_int8::<1>(w, xq, y, y_stride, panels),
-                (_, 2) => crate::portable::q4::gemm_portable_int8::<2>(w, xq, y, y_stride, panels),
-                (_, 3) => crate::portable::q4::gemm_portable_int8::<3>(w, xq, y, y_stride, panels),
-                (_, _) => crate::portable::q4::gemm_portable_int8::<4>(w, xq, y, y_stride, panels),
+                Kernel::NeonDot => by_rows!(m, crate::aarch64::q4::gemm_sdot(w, xq, y, y_stride, panels)),
+                _ => by_rows!(m, crate::portable::q4::gemm_portable_int8(w, xq, y, y_stride, panels)),
             }
         }
     }

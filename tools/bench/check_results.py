@@ -165,28 +165,22 @@ def main() -> int:
     a = ap.parse_args()
     if (a.bench is None) == (a.board_report is None) or (a.board_report is not None and a.frames is None):
         ap.error("give --bench, or --board-report with --frames")
-    if a.board_report is not None:
-        try:
-            check_board_report(json.loads(a.board_report.read_text(encoding="utf-8")), a.frames, a.sweep)
-        except (OSError, json.JSONDecodeError) as e:
-            print(f"error: {e}", file=sys.stderr)
-            return 1
-        for p in problems:
-            print(f"error: {p}", file=sys.stderr)
-        if not problems:
-            print(f"{a.board_report}: every field present")
-        return 1 if problems else 0
     try:
-        check_bench(json.loads(a.bench.read_text(encoding="utf-8")), a.sweep)
-        if a.ort:
-            check_ort(json.loads(a.ort.read_text(encoding="utf-8")))
+        if a.board_report is not None:
+            check_board_report(json.loads(a.board_report.read_text(encoding="utf-8")), a.frames, a.sweep)
+            what = str(a.board_report)
+        else:
+            check_bench(json.loads(a.bench.read_text(encoding="utf-8")), a.sweep)
+            if a.ort:
+                check_ort(json.loads(a.ort.read_text(encoding="utf-8")))
+            what = f"{a.bench}{' and ' + str(a.ort) if a.ort else ''}"
     except (OSError, json.JSONDecodeError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
     for p in problems:
         print(f"error: {p}", file=sys.stderr)
     if not problems:
-        print(f"{a.bench}{' and ' + str(a.ort) if a.ort else ''}: every field present")
+        print(f"{what}: every field present")
     return 1 if problems else 0
 
 

@@ -28,7 +28,7 @@ impl std::fmt::Debug for StageThreads {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("StageThreads")
             .field("own_executor", &self.executor.is_some())
-            .field("split_threads", &self.split.as_ref().map(|s| kernels::q4::Split::threads(&**s)))
+            .field("split_threads", &self.split.as_ref().map(|s| s.wanted + 1))
             .finish()
     }
 }
@@ -44,7 +44,7 @@ impl StageThreads {
         let split = match threads {
             0 | 1 => None,
             _ if std::env::var("HERALD_Q4_SPLIT").is_ok_and(|v| v == "0") => None,
-            n => Some(Arc::new(SplitPool::new(stage, n, pin.clone())?)),
+            n => Some(Arc::new(SplitPool::new(stage, n, pin.clone()))),
         };
         let executor = match threads {
             0 => None,
@@ -98,7 +98,8 @@ pub(crate) fn with_split<R>(f: impl FnOnce(&dyn kernels::q4::Split) -> R) -> R {
 
 /// The decode stage's helpers for herald's Q4_0 products ([`kernels::q4::Split`]): `threads − 1`
 /// worker threads, pinned to the stage's CPUs, that take parts of a product beside the stage's
-/// own thread (issue 36, item 3). No thread is started and nothing is allocated per product:
+/// own thread (issue 36, item 3), started with the stage's first product (a stage without
+/// any, the vocoder's, starts none). No thread is started and nothing is allocated per product:
 /// the caller publishes the product under a new generation, every thread (the caller too)
 /// claims parts with one compare-and-swap each until none are left, and the caller returns
 /// when all have finished. Between products the workers spin for [`SPIN`] before they sleep
@@ -106,7 +107,13 @@ pub(crate) fn with_split<R>(f: impl FnOnce(&dyn kernels::q4::Split) -> R) -> R {
 /// awake, and an idle stage costs no CPU after that.
 pub(crate) struct SplitPool {
     shared: Arc<Shared>,
-    workers: Vec<std::thread::JoinHandle<()>>,
+    /// Workers to start, and how ([`SplitPool::workers`]).
+    wanted: usize,
+    stage: String,
+    pin: PinThread,
+    /// Started on the first product, so that a stage without Q4_0 products (the vocoder's)
+    /// never starts any.
+    workers: std::sync::OnceLock<Vec<std::thread::JoinHandle<()>>>,
 }
 
 /// How long an idle worker spins for the next product before it sleeps: 200 µs, longer than
@@ -196,11 +203,9 @@ fn unpack(s: u64) -> (u64, usize, usize) {
 }
 
 impl SplitPool {
-    /// `threads − 1` workers (none for 0 or 1), each running `pin` first.
-    ///
-    /// # Errors
-    /// [`BackendError::Unsupported`] when a thread cannot be started.
-    pub(crate) fn new(stage: &str, threads: usize, pin: PinThread) -> Result<Self, BackendError> {
+    /// A pool of `threads − 1` workers (none for 0 or 1), each running `pin` first; they start
+    /// with the first product ([`SplitPool::workers`]).
+    pub(crate) fn new(stage: &str, threads: usize, pin: PinThread) -> Self {
         let shared = Arc::new(Shared {
             state: Default::default(),
             done: Default::default(),
@@ -212,19 +217,33 @@ impl SplitPool {
             busy: Default::default(),
             panicked: Default::default(),
         });
-        let mut pool = SplitPool { shared, workers: Vec::new() };
-        for i in 1..threads {
-            let (shared, pin) = (pool.shared.clone(), pin.clone());
-            let worker = std::thread::Builder::new()
-                .name(format!("herald-{stage}-q4-{i}"))
-                .spawn(move || {
+        SplitPool { shared, wanted: threads.saturating_sub(1), stage: stage.to_string(), pin, workers: Default::default() }
+    }
+
+    /// The workers, started on the first call; one that cannot be started is logged and the
+    /// pool works with those that did (none: every product on the caller's thread).
+    fn workers(&self) -> &[std::thread::JoinHandle<()>] {
+        self.workers.get_or_init(|| {
+            let mut started = Vec::with_capacity(self.wanted);
+            for i in 1..=self.wanted {
+                let (shared, pin) = (self.shared.clone(), self.pin.clone());
+                match std::thread::Builder::new().name(format!("herald-{}-q4-{i}", self.stage)).spawn(move || {
                     pin();
                     worker(&shared);
-                })
-                .map_err(|e| BackendError::Unsupported(format!("cannot start the {stage} product threads: {e}")))?;
-            pool.workers.push(worker);
-        }
-        Ok(pool)
+                }) {
+                    Ok(w) => started.push(w),
+                    Err(e) => {
+                        log::warn!(
+                            "cannot start the {} stage's product thread {i}: {e}; splitting over {} threads",
+                            self.stage,
+                            started.len() + 1
+                        );
+                        break;
+                    }
+                }
+            }
+            started
+        })
     }
 }
 
@@ -263,12 +282,12 @@ fn worker(shared: &Shared) {
 
 impl kernels::q4::Split for SplitPool {
     fn threads(&self) -> usize {
-        self.workers.len() + 1
+        self.workers().len() + 1
     }
 
     fn run(&self, parts: usize, part: &(dyn Fn(usize) + Sync)) {
         let s = &*self.shared;
-        if self.workers.is_empty() || parts <= 1 || parts > MAX_PARTS || s.busy.swap(true, Acquire) {
+        if self.workers().is_empty() || parts <= 1 || parts > MAX_PARTS || s.busy.swap(true, Acquire) {
             (0..parts).for_each(part);
             return;
         }
@@ -303,7 +322,7 @@ impl Drop for SplitPool {
         self.shared.quit.store(true, SeqCst);
         drop(self.shared.lock.lock().unwrap_or_else(|e| e.into_inner()));
         self.shared.wake.notify_all();
-        for w in self.workers.drain(..) {
+        for w in self.workers.take().unwrap_or_default() {
             let _ = w.join();
         }
     }
@@ -321,7 +340,7 @@ mod tests {
     /// threads; dropping the pool joins its workers.
     #[test]
     fn the_split_pool_runs_every_part_once() {
-        let pool = SplitPool::new("test", 3, Arc::new(|| {})).unwrap();
+        let pool = SplitPool::new("test", 3, Arc::new(|| {}));
         assert_eq!(pool.threads(), 3);
         let threads = std::sync::Mutex::new(std::collections::HashSet::new());
         for round in 0..2000usize {
@@ -351,7 +370,7 @@ mod tests {
     /// parts have finished, and the pool still works after it.
     #[test]
     fn a_panicking_part_panics_the_caller_and_never_hangs() {
-        let pool = SplitPool::new("test", 2, Arc::new(|| {})).unwrap();
+        let pool = SplitPool::new("test", 2, Arc::new(|| {}));
         let done = AtomicUsize::new(0);
         let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
             pool.run(4, &|i| {
@@ -371,8 +390,9 @@ mod tests {
     /// A stage of two threads splits herald's Q4_0 products: inside `run`, `with_split` hands the
     /// kernels the stage's pool, and a product of 80 panels (two parts) through it is bit for bit
     /// the serial one, for every kernel this CPU runs (float32 and int8 activations), one row
-    /// and two passes; outside `run`, and on a stage of one thread, nothing is split; and the
-    /// stage's pool is put back when the stage's closure panics.
+    /// and two passes; no worker starts before the first product; outside `run`, and on a stage
+    /// of one thread, nothing is split; and the stage's pool is put back when the stage's
+    /// closure panics.
     #[test]
     fn a_stage_with_two_threads_splits_the_products() {
         use kernels::q4::{Kernel, Q4Weights};
@@ -393,6 +413,9 @@ mod tests {
         let x: Vec<f32> = (0..5 * k).map(|_| (next() % 2001) as f32 / 1000.0 - 1.0).collect();
         let stage = StageThreads::new("test", 2, Arc::new(|| {})).unwrap();
         assert_eq!(with_split(|s| s.threads()), 1);
+        // a stage that runs no product (the vocoder's) starts no worker
+        stage.run(&mut || {});
+        assert!(stage.split.as_ref().is_some_and(|s| s.workers.get().is_none()), "workers started without a product");
         for kernel in Kernel::available() {
             let w = Q4Weights::from_q4_0(&blocks, n, k, kernel.layout()).unwrap();
             for rows in [1, 5] {
@@ -426,7 +449,7 @@ mod tests {
     /// parts serially while the pool is busy).
     #[test]
     fn nested_and_concurrent_runs_run_every_part_once() {
-        let pool = SplitPool::new("test", 3, Arc::new(|| {})).unwrap();
+        let pool = SplitPool::new("test", 3, Arc::new(|| {}));
         let outer: Vec<AtomicUsize> = (0..4).map(|_| AtomicUsize::new(0)).collect();
         let inner: Vec<AtomicUsize> = (0..4 * 3).map(|_| AtomicUsize::new(0)).collect();
         pool.run(4, &|i| {
