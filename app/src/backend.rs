@@ -8,7 +8,7 @@ use board::probe::HardwareClass;
 use model::backend::Backend;
 use model::manifest::Manifest;
 
-use crate::config::{BackendChoice, Config, QnnVocoder};
+use crate::config::{BackendChoice, Config, QnnVocoder, VocoderPrecision};
 use crate::exit::{self, Failure, fail};
 
 /// The backend chosen for a bundle, and why.
@@ -27,11 +27,22 @@ pub fn qnn_lib_dirs(cfg: &Config) -> Vec<PathBuf> {
     backend_qnn::ffi::search_dirs(cfg.runtime.qnn_lib_dir.as_deref())
 }
 
+/// The tract backend with `runtime.vocoder_precision`; `steps` false loads the vocoder only
+/// (beside the qnn backend).
+pub fn tract_with(cfg: &Config, steps: bool) -> backend_tract::TractWith {
+    let vocoder = match cfg.runtime.vocoder_precision {
+        VocoderPrecision::Fp32 => backend_tract::VocoderPrecision::Fp32,
+        VocoderPrecision::Fp16 => backend_tract::VocoderPrecision::Fp16,
+        VocoderPrecision::Auto => backend_tract::VocoderPrecision::Auto,
+    };
+    backend_tract::TractWith { steps, vocoder }
+}
+
 fn qnn(cfg: &Config, arch: String) -> Box<dyn Backend> {
     Box::new(backend_qnn::Qnn {
         lib_dirs: qnn_lib_dirs(cfg),
         arch: Some(arch),
-        vocoder: Arc::new(backend_tract::TractVocoderOnly),
+        vocoder: Arc::new(tract_with(cfg, false)),
         npu_vocoder: cfg.runtime.qnn_vocoder == QnnVocoder::Npu,
     })
 }
@@ -58,7 +69,7 @@ fn vocoder_place(cfg: &Config, arch: &str) -> String {
 /// `qnn_vocoder = "npu"` needs), or libraries that are missing or speak another API: exit 4
 /// with one line.
 pub fn choose(cfg: &Config, manifest: &Manifest, class: HardwareClass) -> Result<Chosen, Failure> {
-    let tract = |why: String| Chosen { backend: Box::new(backend_tract::Tract), fallback: None, why };
+    let tract = |why: String| Chosen { backend: Box::new(tract_with(cfg, true)), fallback: None, why };
     let arch = cfg.runtime.qnn_arch.as_deref();
     let npu_vocoder = cfg.runtime.qnn_vocoder == QnnVocoder::Npu;
     match cfg.runtime.backend {
@@ -101,7 +112,7 @@ pub fn choose(cfg: &Config, manifest: &Manifest, class: HardwareClass) -> Result
                         libs.dir.display(),
                         vocoder_place(cfg, &arch)
                     );
-                    Ok(Chosen { backend: qnn(cfg, arch), fallback: Some(Box::new(backend_tract::Tract)), why })
+                    Ok(Chosen { backend: qnn(cfg, arch), fallback: Some(Box::new(tract_with(cfg, true))), why })
                 }
                 Err(e) => Ok(tract(format!("backend tract, not qnn (every stage on the CPU): the QNN runtime does not load: {e}"))),
             }

@@ -454,6 +454,18 @@ settings! {
         /// without them for `qnn_arch` stops herald (exit 4), under `auto` it keeps the backend
         /// on `tract`. Ignored when the backend is `tract`.
         qnn_vocoder: QnnVocoder = QnnVocoder::Cpu, OneOf;
+        /// The arithmetic of the stateful vocoder's convolutions on the CPU (tract). `fp32`: as
+        /// exported. `fp16`: float16 weights and activations in the convolutions (the rest
+        /// float32), which halves their memory traffic and, on a core with half-precision
+        /// arithmetic (Cortex-A55/A76/A78, Oryon: `herald probe` lists `fp16`), runs them on
+        /// twice the vector lanes; at load herald decodes 8 frames both ways and refuses to
+        /// start (exit 4) when the fp16 samples' SNR against the float32 ones is below 30 dB
+        /// (the load log gives the value; [backend.md](backend.md#the-vocoder-in-half-precision)).
+        /// `auto`: `fp16` on a core with half-precision arithmetic, staying `fp32` (one
+        /// warning) when the gate fails; `fp32` elsewhere. The gate costs one more vocoder plan
+        /// and 8 frames decoded twice at each start. Ignored for the windowed vocoder and the
+        /// NPU vocoder.
+        vocoder_precision: VocoderPrecision = VocoderPrecision::Fp32, OneOf;
         /// The folder holding the board's `libQnnHtp.so` and `libQnnSystem.so` (the vendor's QNN
         /// runtime; herald does not ship it). Unset: `/usr/lib`,
         /// `/usr/lib64`, `/usr/lib/aarch64-linux-gnu`, `/usr/local/lib`, `/vendor/lib64`,
@@ -922,6 +934,18 @@ named! {
         Cpu = "cpu",
         /// The NPU, from the bundle's vocoder context binaries.
         Npu = "npu",
+    }
+}
+
+named! {
+    /// `runtime.vocoder_precision`: the arithmetic of the vocoder's convolutions on the CPU.
+    VocoderPrecision {
+        /// float32, as exported.
+        Fp32 = "fp32",
+        /// float16 convolutions, behind the SNR gate.
+        Fp16 = "fp16",
+        /// fp16 on a core with half-precision arithmetic when the gate passes, else fp32.
+        Auto = "auto",
     }
 }
 

@@ -172,3 +172,48 @@ fn a_stream_graph_without_state_is_refused() {
     let err = engine::Engine::load(dir.path(), &Tract, &engine::EngineSettings::default()).unwrap_err().to_string();
     assert!(err.contains("carries no state"), "{err}");
 }
+
+/// The vocoder in half precision (issue 36, `runtime.vocoder_precision = "fp16"`): on every
+/// tiny bundle it loads (its gate passed), its samples over a 40-frame utterance in the default
+/// ramp differ from the float32 vocoder's (the convolutions did change) by an SNR of at least
+/// `FP16_SNR_DB` (computed here, not by the gate's code), and the gate's own figure is reported.
+#[test]
+fn the_half_precision_vocoder_stays_within_its_gate() {
+    use backend_tract::vocoder::FP16_SNR_DB;
+    use backend_tract::{TractWith, VocoderPrecision};
+    for preset in common::PRESETS {
+        let dir = common::bundle(preset);
+        let fp16 = TractWith { steps: true, vocoder: VocoderPrecision::Fp16 };
+        let half = Bundle::open_with(&dir, &fp16, Some(VocoderForm::Stateful)).unwrap();
+        let full = Bundle::open_with(&dir, &Tract, Some(VocoderForm::Stateful)).unwrap();
+        let utt = codes(40, 3);
+        let decode = |b: &Bundle| {
+            let mut voc = Vocoder::new(b, 0, 25).unwrap();
+            vocode_all(&mut voc, &utt, &mut ChunkSchedule::new(&model::schedule::STATEFUL_RAMP).unwrap()).unwrap()
+        };
+        let (want, got) = (decode(&full), decode(&half));
+        let snr = snr_db(&want, &got);
+        let gate = backend_tract::fp16_vocoder_gate(&dir, &half.manifest, None).unwrap();
+        eprintln!("{preset}: fp16 vocoder, 40 frames: SNR {snr:.1} dB, max abs {:.2e}; gate: {gate}", max_abs(&want, &got));
+        assert!(snr >= FP16_SNR_DB, "{preset}: SNR {snr:.1} dB below {FP16_SNR_DB}");
+        assert!(snr < 200.0 && want != got, "{preset}: the fp16 vocoder computed exactly the float32 samples (nothing converted?)");
+        assert!(gate.passed() && gate.snr_db.is_finite(), "{preset}: {gate}");
+    }
+}
+
+/// The gate fails on deliberately broken fp16 vocoders (issue 36 item 7): one convolution's
+/// kernel scaled by 2 (a wrong scale) or by 10⁶ (past f16's range: infinities); the same
+/// call with the kernel scaled by 1 passes.
+#[test]
+fn the_half_precision_gate_fails_on_a_broken_conversion() {
+    use backend_tract::Fp16Fault;
+    let dir = common::bundle("tiny-0.6b");
+    let manifest = Bundle::open(&dir, &Tract).unwrap().manifest;
+    for factor in [2.0f32, 1e6] {
+        let gate = backend_tract::fp16_vocoder_gate(&dir, &manifest, Some(Fp16Fault::KernelScale(factor))).unwrap();
+        eprintln!("kernel x {factor}: {gate}");
+        assert!(!gate.passed(), "kernel x {factor}: the gate passed: {gate}");
+    }
+    let good = backend_tract::fp16_vocoder_gate(&dir, &manifest, Some(Fp16Fault::KernelScale(1.0))).unwrap();
+    assert!(good.passed(), "an unscaled kernel must pass: {good}");
+}

@@ -128,7 +128,7 @@ fn calibrate(cfg: &Config, args: &CalibrateArgs) -> Result<(), Failure> {
     let steady = default_ramp.last().copied().unwrap_or(25);
     let settings = EngineSettings { ramp: Some(default_ramp.clone()), ..tuned.settings.clone() };
     let t_load = Instant::now();
-    let engine = Engine::load(dir, &backend_tract::Tract, &settings)
+    let engine = Engine::load(dir, &crate::backend::tract_with(cfg, true), &settings)
         .map_err(|e| fail(engine_code(&e), anyhow::Error::new(e).context(format!("bundle {}", dir.display()))))?;
     let frame_ms = 1e3 * f64::from(manifest.audio.samples_per_frame) / f64::from(manifest.audio.sample_rate);
     log::info!("bundle loaded in {:.2} s; warming up", t_load.elapsed().as_secs_f64());

@@ -16,6 +16,9 @@ use tract_onnx::prelude::*;
 use model::backend::BackendError as GraphError;
 use model::manifest::{Dim, GraphInfo, TensorSpec};
 
+/// A change to a decluttered model before it is optimized ([`load_plans`]).
+pub(crate) type EditModel = dyn Fn(&mut TypedModel) -> TractResult<()> + Sync;
+
 /// A loaded, optimized graph.
 #[derive(Debug, Clone)]
 pub(crate) struct Graph {
@@ -94,7 +97,7 @@ fn check_io(path: &Path, kind: &str, got: &[&pb::ValueInfoProto], want: &[Tensor
 /// [`GraphError::Load`] for a missing or undecodable file, [`GraphError::Mismatch`] when the
 /// graph's IO differs from `info`, [`GraphError::Runtime`] when tract cannot optimize it.
 pub(crate) fn load(dir: &Path, name: &str, info: &GraphInfo, int8_activations: bool) -> Result<Graph, GraphError> {
-    let mut plans = load_plans(dir, name, info, &[None], false, int8_activations)?;
+    let mut plans = load_plans(dir, name, info, &[None], false, int8_activations, &[false], None)?;
     plans.pop().ok_or_else(|| GraphError::Unsupported(format!("{name}: no plan")))
 }
 
@@ -104,7 +107,7 @@ pub(crate) fn load(dir: &Path, name: &str, info: &GraphInfo, int8_activations: b
 /// # Errors
 /// As [`load`].
 pub(crate) fn load_predictor(dir: &Path, name: &str, info: &GraphInfo, int8_activations: bool) -> Result<Graph, GraphError> {
-    let mut plans = load_plans(dir, name, info, &[None], true, int8_activations)?;
+    let mut plans = load_plans(dir, name, info, &[None], true, int8_activations, &[false], None)?;
     plans.pop().ok_or_else(|| GraphError::Unsupported(format!("{name}: no plan")))
 }
 
@@ -122,9 +125,14 @@ type Decluttered = (TypedModel, Vec<String>, Vec<String>, f64, bool);
 /// cache when it holds every plan (the ONNX file is then not read), and are written to it
 /// after a parse; optimizing (CPU-specific) always runs. `split_heads` splits a code
 /// predictor's heads off before optimizing ([`load_predictor`]); the cache keeps the whole graph.
+/// `half` lists the plans made per frame count: `false` float32 as exported, `true` with its
+/// convolutions in half precision ([`crate::fp16`]); the result holds `frames.len() ×
+/// half.len()` plans, frame count outer. `edit_half` changes each half-precision model after
+/// the conversion (a deliberate fault, to show the gate failing: [`crate::fp16_vocoder_gate`]).
 ///
 /// # Errors
 /// As [`load`].
+#[allow(clippy::too_many_arguments)]
 pub(crate) fn load_plans(
     dir: &Path,
     name: &str,
@@ -132,6 +140,8 @@ pub(crate) fn load_plans(
     frames: &[Option<usize>],
     split_heads: bool,
     int8_activations: bool,
+    half: &[bool],
+    edit_half: Option<&EditModel>,
 ) -> Result<Vec<Graph>, GraphError> {
     let path = dir.join(&info.file);
     let tract_err = |e: TractError| GraphError::Runtime { path: path.clone(), backend: "tract", message: format!("{e:#}") };
@@ -157,31 +167,48 @@ pub(crate) fn load_plans(
         }
     }
     let mut plans = Vec::with_capacity(frames.len());
-    for (f, (mut model, inputs, outputs, before, cached)) in frames.iter().zip(decluttered) {
-        let t = Instant::now();
-        let heads = if split_heads { crate::heads::split(&mut model, &outputs).map_err(tract_err)?.map(Arc::new) } else { None };
-        if split_heads {
+    for (f, (mut decluttered, inputs, outputs, before, cached)) in frames.iter().zip(decluttered) {
+        for (v, &in_half) in half.iter().enumerate() {
+            let mut model = if v + 1 == half.len() { std::mem::take(&mut decluttered) } else { decluttered.clone() };
+            let t = Instant::now();
+            let converted = if in_half { crate::fp16::convolutions_to_f16(&mut model).map_err(tract_err)? } else { 0 };
+            if in_half && let Some(edit) = edit_half {
+                edit(&mut model).map_err(tract_err)?;
+            }
+            if in_half {
+                log::debug!("{name}: {converted} convolutions in half precision");
+            }
+            let heads = if split_heads { crate::heads::split(&mut model, &outputs).map_err(tract_err)?.map(Arc::new) } else { None };
+            if split_heads {
+                log::debug!(
+                    "{name}: {}",
+                    match &heads {
+                        Some(h) => format!("{} heads split off into constant products ({} x {})", h.len(), h.hidden, h.vocab),
+                        None => "no stacked heads to split off (the logits stay in the graph)".into(),
+                    }
+                );
+            }
+            let q4 = crate::q4pack::optimize(&mut model, int8_activations).map_err(tract_err)?;
+            let plan = model.into_runnable().map_err(tract_err)?;
+            let optimize = t.elapsed().as_secs_f64();
             log::debug!(
-                "{name}: {}",
-                match &heads {
-                    Some(h) => format!("{} heads split off into constant products ({} x {})", h.len(), h.hidden, h.vocab),
-                    None => "no stacked heads to split off (the logits stay in the graph)".into(),
-                }
+                "{name}: loaded {} ({f:?} frames) in {:.2} s: {} {before:.2} s, optimize {optimize:.2} s (Q4_0 products: {} on herald's {} kernel, {} packed for tract's)",
+                path.display(),
+                before + optimize,
+                if cached { "cached decluttered model" } else { "read, parse, type and declutter" },
+                q4.herald,
+                q4.kernel.map_or_else(|| "(no)".to_string(), |k| format!("{k:?}")),
+                q4.packed,
             );
+            plans.push(Graph {
+                plan,
+                inputs: inputs.clone(),
+                outputs: outputs.clone(),
+                load_seconds: before + optimize,
+                cached,
+                heads,
+            });
         }
-        let q4 = crate::q4pack::optimize(&mut model, int8_activations).map_err(tract_err)?;
-        let plan = model.into_runnable().map_err(tract_err)?;
-        let optimize = t.elapsed().as_secs_f64();
-        log::debug!(
-            "{name}: loaded {} ({f:?} frames) in {:.2} s: {} {before:.2} s, optimize {optimize:.2} s (Q4_0 products: {} on herald's {} kernel, {} packed for tract's)",
-            path.display(),
-            before + optimize,
-            if cached { "cached decluttered model" } else { "read, parse, type and declutter" },
-            q4.herald,
-            q4.kernel.map_or_else(|| "(no)".to_string(), |k| format!("{k:?}")),
-            q4.packed,
-        );
-        plans.push(Graph { plan, inputs, outputs, load_seconds: before + optimize, cached, heads });
     }
     Ok(plans)
 }

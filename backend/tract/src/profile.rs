@@ -54,7 +54,7 @@ pub fn profile_vocoder(
     let key =
         manifest.vocoder_graph(form).ok_or_else(|| BackendError::Unsupported(format!("the bundle has no {form} vocoder graph")))?;
     let info = manifest.graphs.get(key).ok_or_else(|| BackendError::Unsupported(format!("bundle.toml has no graph {key:?}")))?;
-    let graph = crate::graph::load_plans(dir, key, info, &[concrete.then_some(frames)], false, false)?
+    let graph = crate::graph::load_plans(dir, key, info, &[concrete.then_some(frames)], false, false, &[false], None)?
         .pop()
         .ok_or_else(|| BackendError::Unsupported(format!("{key}: no plan")))?;
     let path = dir.join(&info.file);

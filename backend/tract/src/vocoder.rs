@@ -347,3 +347,103 @@ impl VocoderSession for TractStreamVocoder {
         model::backend::VocoderForm::Stateful
     }
 }
+
+/// The smallest signal-to-noise ratio, dB, of the half-precision vocoder's samples against the
+/// float32 vocoder's on the same codes ([`fp16_gate`]) for herald to use it: the threshold the
+/// QNN vocoder binaries (which also compute in fp16) must meet at export (`VOCODER_SNR_DB`,
+/// docs/bundle.md). 30 dB is an error power a thousandth of the signal's, below what a listener
+/// hears next to the codec's own error (docs/backend.md, "The vocoder in half precision").
+pub const FP16_SNR_DB: f64 = 30.0;
+
+/// Frames the half-precision gate decodes, from the all-zero state, in chunks of the plan's
+/// frame count: long enough that the carried state (convolution tails, the transformer's
+/// cache) takes part in 3 of the 4 runs with the default plan of 2.
+pub const FP16_GATE_FRAMES: usize = 8;
+
+/// What [`fp16_gate`] measured: the fp16 vocoder's samples against the float32 one's.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Fp16Gate {
+    /// 10·log10(Σ ref² / Σ (ref − fp16)²) over every sample, dB (infinite when equal).
+    pub snr_db: f64,
+    /// The largest |ref − fp16| of one sample (samples are in [-1, 1]).
+    pub max_abs_error: f32,
+    /// The float32 samples' RMS, to read the error against.
+    pub rms: f32,
+    /// Frames decoded ([`FP16_GATE_FRAMES`]).
+    pub frames: usize,
+}
+
+impl Fp16Gate {
+    /// Whether the gate passes: SNR at least [`FP16_SNR_DB`] (a NaN fails).
+    pub fn passed(&self) -> bool {
+        self.snr_db >= FP16_SNR_DB
+    }
+}
+
+impl std::fmt::Display for Fp16Gate {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "samples SNR {:.1} dB ({} {FP16_SNR_DB} dB), max abs error {:.4} on samples of RMS {:.3}, {} frames",
+            self.snr_db,
+            if self.passed() { ">=" } else { "below" },
+            self.max_abs_error,
+            self.rms,
+            self.frames
+        )
+    }
+}
+
+/// The half-precision gate: decodes [`FP16_GATE_FRAMES`] frames of pseudo-random codes (fixed
+/// seed, every code in `0..codebook_size`) through the float32 plan `reference` and the fp16
+/// plan `half` of the same stream graph (`info`), both from the all-zero state in chunks of
+/// the plans' frame count `frames`, and compares the samples.
+///
+/// # Errors
+/// [`VocoderError`] when either plan cannot run (see [`TractStreamVocoder::new`]).
+pub(crate) fn fp16_gate(
+    frames: usize,
+    reference: &Graph,
+    half: &Graph,
+    info: &model::manifest::GraphInfo,
+    samples_per_frame: usize,
+    codebook_size: u32,
+) -> Result<Fp16Gate, VocoderError> {
+    let mut seed = 0x9E37_79B9_7F4A_7C15u64;
+    let mut next = move || {
+        seed ^= seed << 13;
+        seed ^= seed >> 7;
+        seed ^= seed << 17;
+        (seed % u64::from(codebook_size.max(1))) as u32
+    };
+    let codes: Vec<Frame> = (0..FP16_GATE_FRAMES).map(|_| std::array::from_fn(|_| next())).collect();
+    let decode = |g: &Graph| -> Result<Vec<f32>, VocoderError> {
+        let mut session = TractStreamVocoder::new((frames, g), info, frames, samples_per_frame)?;
+        let mut out = vec![0.0; FP16_GATE_FRAMES * samples_per_frame];
+        for (chunk, pcm) in codes.chunks(frames).zip(out.chunks_mut(frames * samples_per_frame)) {
+            session.decode(chunk, chunk.len(), &mut pcm[..chunk.len() * samples_per_frame])?;
+        }
+        Ok(out)
+    };
+    let (want, got) = (decode(reference)?, decode(half)?);
+    Ok(compare(&want, &got, FP16_GATE_FRAMES))
+}
+
+/// [`Fp16Gate`]'s numbers for samples `got` against `want` (same length) of `frames` frames.
+pub(crate) fn compare(want: &[f32], got: &[f32], frames: usize) -> Fp16Gate {
+    let (mut signal, mut noise, mut max) = (0.0f64, 0.0f64, 0.0f32);
+    for (&a, &b) in want.iter().zip(got) {
+        signal += f64::from(a) * f64::from(a);
+        noise += f64::from(a - b) * f64::from(a - b);
+        max = if (a - b).abs() > max || (a - b).is_nan() { (a - b).abs() } else { max };
+    }
+    let snr_db = if noise.is_nan() || signal.is_nan() {
+        f64::NAN
+    } else if noise == 0.0 {
+        f64::INFINITY
+    } else {
+        10.0 * (signal / noise).log10()
+    };
+    let rms = (signal / want.len().max(1) as f64).sqrt() as f32;
+    Fp16Gate { snr_db, max_abs_error: max, rms, frames }
+}
