@@ -457,7 +457,7 @@ settings! {
         /// The arithmetic of the stateful vocoder's convolutions on the CPU (tract). `fp32`: as
         /// exported. `fp16`: float16 weights and activations in the convolutions (the rest
         /// float32), which halves their memory traffic and, on a core with half-precision
-        /// arithmetic (Cortex-A55/A76/A78, Oryon: `herald probe` lists `fp16`), runs them on
+        /// arithmetic (Cortex-A55/A76/A78, Oryon: `herald probe` lists `fp16_arith`), runs them on
         /// twice the vector lanes; at load herald decodes 8 frames both ways and refuses to
         /// start (exit 4) when the fp16 samples' SNR against the float32 ones is below 30 dB
         /// (the load log gives the value; [backend.md](backend.md#the-vocoder-in-half-precision)).

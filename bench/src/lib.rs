@@ -30,7 +30,7 @@ use std::time::Instant;
 
 use serde::Serialize;
 
-use backend_tract::{Tract, set_compute_threads};
+use backend_tract::{TractWith, set_compute_threads};
 use engine::decoder::Decoder;
 use engine::tables::Embedding;
 use engine::vocoder::Vocoder;
@@ -337,6 +337,9 @@ pub struct BenchConfig {
     pub pool_bytes: usize,
     /// Vocoder form (None: the bundle's default, stateful when it has a stream graph).
     pub vocoder: Option<model::backend::VocoderForm>,
+    /// The stateful vocoder's precision (`runtime.vocoder_precision`; fp16 loads only when its
+    /// gate passes).
+    pub vocoder_precision: backend_tract::VocoderPrecision,
 }
 
 /// Default pipeline text: one English sentence (about 20 text tokens).
@@ -358,6 +361,7 @@ impl Default for BenchConfig {
             steps_only: false,
             pool_bytes: DEFAULT_POOL_BYTES,
             vocoder: None,
+            vocoder_precision: backend_tract::VocoderPrecision::Fp32,
         }
     }
 }
@@ -515,9 +519,10 @@ pub fn load_to_first_frame(
     dir: &Path,
     text: &str,
     vocoder: Option<model::backend::VocoderForm>,
+    precision: backend_tract::VocoderPrecision,
 ) -> Result<(Arc<Bundle>, LoadResult), EngineError> {
     let t0 = Instant::now();
-    let b = Arc::new(Bundle::open_with(dir, &Tract, vocoder)?);
+    let b = Arc::new(Bundle::open_with(dir, &TractWith { steps: true, vocoder: precision }, vocoder)?);
     let open_s = t0.elapsed().as_secs_f64();
     let mut dec = Decoder::new(Arc::clone(&b), &EngineSettings::default())?;
     let mut req = Request::new(text);
@@ -598,9 +603,9 @@ pub fn pipeline(b: &Arc<Bundle>, cfg: &BenchConfig, allocs: Option<&dyn Fn() -> 
 pub fn run(dir: &Path, cfg: &BenchConfig, allocs: Option<&dyn Fn() -> u64>) -> Result<BenchResult, EngineError> {
     set_compute_threads(cfg.threads);
     let (b, load) = if cfg.steps_only {
-        (Arc::new(Bundle::open_with(dir, &Tract, cfg.vocoder)?), None)
+        (Arc::new(Bundle::open_with(dir, &TractWith { steps: true, vocoder: cfg.vocoder_precision }, cfg.vocoder)?), None)
     } else {
-        let (b, l) = load_to_first_frame(dir, &cfg.text, cfg.vocoder)?;
+        let (b, l) = load_to_first_frame(dir, &cfg.text, cfg.vocoder, cfg.vocoder_precision)?;
         (b, Some(l))
     };
     let steps = step_set(&b, cfg, cfg.threads, &cfg.pasts, cfg.vocoder_steps)?;

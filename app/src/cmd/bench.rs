@@ -100,6 +100,11 @@ pub struct BenchArgs {
     /// stream graph).
     #[arg(long, value_name = "FORM", value_parser = ["stateful", "windowed"])]
     pub vocoder: Option<String>,
+    /// The stateful vocoder's precision, as `runtime.vocoder_precision`: `fp32`, `fp16` (its
+    /// gate runs at load: the SNR is logged at info level, `RUST_LOG=info`; below 30 dB the
+    /// bench stops) or `auto`.
+    #[arg(long, value_name = "PRECISION", default_value = "fp32", value_parser = ["fp32", "fp16", "auto"])]
+    pub vocoder_precision: String,
     /// Instead of the benchmark, profile one stage per op type: `vocoder` times every node of
     /// the vocoder graph over `--profile-frames` frames (windowed: one single pass; stateful:
     /// one chunk from the zero state), folded onto ONNX op types (docs/performance.md "Vocoder (issue
@@ -173,6 +178,11 @@ pub fn config(a: &BenchArgs) -> anyhow::Result<BenchConfig> {
         steps_only: a.steps_only,
         pool_bytes: usize::try_from(a.frame_pool_mib << 20).unwrap_or(usize::MAX),
         vocoder: a.vocoder.as_deref().and_then(model::backend::VocoderForm::parse),
+        vocoder_precision: match a.vocoder_precision.as_str() {
+            "fp16" => backend_tract::VocoderPrecision::Fp16,
+            "auto" => backend_tract::VocoderPrecision::Auto,
+            _ => backend_tract::VocoderPrecision::Fp32,
+        },
         ..BenchConfig::default()
     })
 }
