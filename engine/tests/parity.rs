@@ -285,3 +285,76 @@ fn threaded_pipeline_equals_the_synchronous_path() {
         }
     }
 }
+
+// ---- the vocoder in half precision against the float32 one (issue 36) ----
+//
+// Here rather than in stateful_vocoder.rs so that scripts/parity-aarch64 runs them on the
+// aarch64 build it already makes (under QEMU, on tract's arm64 fp16 kernels: see that script).
+
+/// Deterministic codes in [0, 2048) (SplitMix64, seeded).
+fn random_codes(frames: usize, seed: u64) -> Vec<model::frame::Frame> {
+    let mut s = seed;
+    let mut next = || {
+        s = s.wrapping_add(0x9E37_79B9_7F4A_7C15);
+        let mut z = s;
+        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+        ((z ^ (z >> 31)) % 2048) as u32
+    };
+    (0..frames).map(|_| std::array::from_fn(|_| next())).collect()
+}
+
+fn snr_db(reference: &[f32], test: &[f32]) -> f64 {
+    let num: f64 = reference.iter().map(|&x| f64::from(x) * f64::from(x)).sum();
+    let den: f64 = reference.iter().zip(test).map(|(&x, &y)| (f64::from(x) - f64::from(y)).powi(2)).sum();
+    10.0 * (num / den).log10()
+}
+
+fn max_abs(a: &[f32], b: &[f32]) -> f32 {
+    a.iter().zip(b).map(|(x, y)| (x - y).abs()).fold(0.0, f32::max)
+}
+
+/// The vocoder in half precision (issue 36, `runtime.vocoder_precision = "fp16"`): on every
+/// tiny bundle it loads (its gate passed), its samples over a 40-frame utterance in the default
+/// ramp differ from the float32 vocoder's (the convolutions did change) by an SNR of at least
+/// `FP16_SNR_DB` (computed here, not by the gate's code), and the gate's own figure is reported.
+#[test]
+fn the_half_precision_vocoder_stays_within_its_gate() {
+    use backend_tract::vocoder::FP16_SNR_DB;
+    use backend_tract::{TractWith, VocoderPrecision};
+    for preset in common::PRESETS {
+        let dir = common::bundle(preset);
+        let fp16 = TractWith { steps: true, vocoder: VocoderPrecision::Fp16 };
+        let half = Bundle::open_with(&dir, &fp16, Some(VocoderForm::Stateful)).unwrap();
+        let full = Bundle::open_with(&dir, &Tract, Some(VocoderForm::Stateful)).unwrap();
+        let utt = random_codes(40, 3);
+        let decode = |b: &Bundle| {
+            let mut voc = Vocoder::new(b, 0, 25).unwrap();
+            vocode_all(&mut voc, &utt, &mut ChunkSchedule::new(&model::schedule::STATEFUL_RAMP).unwrap()).unwrap()
+        };
+        let (want, got) = (decode(&full), decode(&half));
+        let snr = snr_db(&want, &got);
+        let gate = backend_tract::fp16_vocoder_gate(&dir, &half.manifest, None).unwrap();
+        eprintln!("{preset}: fp16 vocoder, 40 frames: SNR {snr:.1} dB, max abs {:.2e}; gate: {gate}", max_abs(&want, &got));
+        assert!(snr >= FP16_SNR_DB, "{preset}: SNR {snr:.1} dB below {FP16_SNR_DB}");
+        assert!(snr < 200.0 && want != got, "{preset}: the fp16 vocoder computed exactly the float32 samples (nothing converted?)");
+        assert!(gate.passed() && gate.snr_db.is_finite(), "{preset}: {gate}");
+    }
+}
+
+/// The gate fails on deliberately broken fp16 vocoders (issue 36 item 7): one convolution's
+/// kernel scaled by 2 (a wrong scale) or by 10⁶ (past f16's range: infinities); the same
+/// call with the kernel scaled by 1 passes.
+#[test]
+fn the_half_precision_gate_fails_on_a_broken_conversion() {
+    use backend_tract::Fp16Fault;
+    let dir = common::bundle("tiny-0.6b");
+    let manifest = Bundle::open(&dir, &Tract).unwrap().manifest;
+    for factor in [2.0f32, 1e6] {
+        let gate = backend_tract::fp16_vocoder_gate(&dir, &manifest, Some(Fp16Fault::KernelScale(factor))).unwrap();
+        eprintln!("kernel x {factor}: {gate}");
+        assert!(!gate.passed(), "kernel x {factor}: the gate passed: {gate}");
+    }
+    let good = backend_tract::fp16_vocoder_gate(&dir, &manifest, Some(Fp16Fault::KernelScale(1.0))).unwrap();
+    assert!(good.passed(), "an unscaled kernel must pass: {good}");
+}
