@@ -25,15 +25,41 @@ use tract_onnx::tract_core::ops::einsum::EinSum;
 use tract_onnx::tract_core::ops::konst::Const;
 use tract_onnx::tract_core::ops::source::TypedSource;
 
+/// Positions per frame below which a product stays float32 ([`convolutions_to_f16`]): the
+/// products that run at the frame rate, before the decoder's upsampling blocks (the codes'
+/// `pre_conv`, the two 2× upsampling stages, the decoder's input convolution: 1, 2 and 4
+/// positions per 80 ms frame), keep float32. They are a few percent of the vocoder's
+/// multiply-adds, and on the random 0.6B bundle the decoder's input convolution alone was the
+/// largest f16 error: all products in f16 28.1 dB against float32, all but that one 32.7 dB
+/// (x86, docs/backend.md). From the decoder blocks on, the time axis runs at 32 or more
+/// positions per frame (the first block upsamples 8×).
+pub const MIN_F16_POSITIONS_PER_FRAME: usize = 8;
+
+/// What [`convolutions_to_f16`] converted.
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub(crate) struct Converted {
+    /// Products converted to f16.
+    pub products: usize,
+    /// Products kept float32 (fewer than [`MIN_F16_POSITIONS_PER_FRAME`] positions per frame).
+    pub kept: usize,
+    /// Multiply-adds per run of the converted products and of the kept ones (concrete shapes
+    /// only; 0 when the time axis is symbolic).
+    pub macs_f16: f64,
+    /// See `macs_f16`.
+    pub macs_kept: f64,
+}
+
 /// Rewrites `model`'s float32 `Conv`/`Deconv` nodes and 1×1-convolution `EinSum`s (and their
-/// constant inputs) to
-/// float16, in place; the inputs and outputs of the graph keep their types. Returns the
-/// number of products converted (0 leaves `model` as it was).
+/// constant inputs) to float16, in place; the inputs and outputs of the graph keep their
+/// types. With `frames` (the plan's frames per run, concrete shapes), a product whose output
+/// has fewer than [`MIN_F16_POSITIONS_PER_FRAME`] positions per frame on its last (time) axis
+/// stays float32. Nothing converted leaves `model` as it was.
 ///
 /// # Errors
 /// When tract cannot type the rewritten graph (a bug: the ops are generic over float types).
-pub(crate) fn convolutions_to_f16(model: &mut TypedModel) -> TractResult<usize> {
+pub(crate) fn convolutions_to_f16(model: &mut TypedModel, frames: Option<usize>) -> TractResult<Converted> {
     let mut chosen = HashSet::new();
+    let mut converted = Converted::default();
     for node in &model.nodes {
         // a 1×1 convolution is an EinSum after decluttering, named after its ONNX Conv node
         // (`<name>.einsum`); the vocoder transformer's products are EinSums too, and stay float32
@@ -44,6 +70,28 @@ pub(crate) fn convolutions_to_f16(model: &mut TypedModel) -> TractResult<usize> 
         if node.inputs.first().map(|i| model.outlet_fact(*i)).transpose()?.is_none_or(|f| f.datum_type != f32::datum_type()) {
             continue;
         }
+        // the time axis (last) of the output and of the input, when concrete
+        let time = |f: &TypedFact| f.shape.last().and_then(|d| d.to_i64().ok()).and_then(|d| usize::try_from(d).ok());
+        let out_t = time(model.outlet_fact(OutletId::new(node.id, 0))?);
+        let in_t = time(model.outlet_fact(node.inputs[0])?);
+        let kernel: usize = node
+            .inputs
+            .iter()
+            .skip(1)
+            .filter_map(|i| model.outlet_fact(*i).ok().and_then(|f| f.konst.as_ref()).map(|k| k.len()))
+            .max()
+            .unwrap_or(0);
+        let positions = if node.op_is::<Deconv>() { in_t } else { out_t };
+        let macs = (kernel * positions.unwrap_or(0)) as f64;
+        if let (Some(f), Some(t)) = (frames.filter(|f| *f > 0), out_t)
+            && t < MIN_F16_POSITIONS_PER_FRAME * f
+        {
+            converted.kept += 1;
+            converted.macs_kept += macs;
+            continue;
+        }
+        converted.products += 1;
+        converted.macs_f16 += macs;
         chosen.insert(node.id);
         for input in &node.inputs {
             let producer = model.node(input.node);
@@ -52,9 +100,8 @@ pub(crate) fn convolutions_to_f16(model: &mut TypedModel) -> TractResult<usize> 
             }
         }
     }
-    let products = chosen.iter().filter(|id| !model.node(**id).op_is::<Const>()).count();
-    if products == 0 {
-        return Ok(0);
+    if converted.products == 0 {
+        return Ok(converted);
     }
     let translator = Chosen { inner: FloatPrecisionTranslator::new(f32::datum_type(), f16::datum_type()), chosen };
     let mut half = translator.translate_model(model)?;
@@ -69,7 +116,7 @@ pub(crate) fn convolutions_to_f16(model: &mut TypedModel) -> TractResult<usize> 
     // folds the kernels' Cast(Const) into float16 constants (the float32 copies are dropped)
     half.declutter()?;
     *model = half;
-    Ok(products)
+    Ok(converted)
 }
 
 /// A deliberate fault ([`crate::Fp16Fault::KernelScale`]): the first float16 constant of
@@ -145,8 +192,14 @@ mod tests {
     /// A 1-D convolution `[1, ci, t] -> [1, co, t - (k - 1) · dilation]` followed by a float32
     /// add, with constant kernel and bias from `seed`.
     fn conv_model(ci: usize, co: usize, k: usize, dilation: usize, seed: u64) -> TypedModel {
+        conv_model_t(ci, co, k, dilation, seed, None)
+    }
+
+    /// [`conv_model`] with the time axis `t` positions long (`None`: symbolic).
+    fn conv_model_t(ci: usize, co: usize, k: usize, dilation: usize, seed: u64, t: Option<usize>) -> TypedModel {
         let mut m = TypedModel::default();
-        let x = m.add_source("x", f32::fact([1.to_dim(), ci.to_dim(), TDim::Sym(m.sym("T"))])).unwrap();
+        let time = t.map_or_else(|| TDim::Sym(m.sym("T")), |t| t.to_dim());
+        let x = m.add_source("x", f32::fact([1.to_dim(), ci.to_dim(), time])).unwrap();
         let mut vals = crate::xorshift(seed).map(|s| (s % 2001) as f32 / 1000.0 - 1.0);
         let w: Vec<f32> = vals.by_ref().take(co * ci * k).collect();
         let b: Vec<f32> = vals.by_ref().take(co).collect();
@@ -169,7 +222,7 @@ mod tests {
         for &(ci, co, k, dil) in &[(16usize, 8usize, 7usize, 1usize), (12, 5, 3, 3), (4, 4, 1, 1)] {
             let f32_model = conv_model(ci, co, k, dil, 3);
             let mut half = f32_model.clone();
-            assert_eq!(convolutions_to_f16(&mut half).unwrap(), 1, "{f32_model}");
+            assert_eq!(convolutions_to_f16(&mut half, None).unwrap().products, 1, "{f32_model}");
             assert_eq!(half.input_fact(0).unwrap().datum_type, f32::datum_type());
             assert_eq!(half.output_fact(0).unwrap().datum_type, f32::datum_type());
             let f16_consts =
@@ -192,6 +245,24 @@ mod tests {
         }
     }
 
+    /// With the plan's frame count known, a product with fewer than 8 output positions per frame
+    /// stays float32 and one with 8 or more is converted; the multiply-adds are counted
+    /// (`co · ci · k` per output position).
+    #[test]
+    fn frame_rate_products_stay_float32() {
+        let (ci, co, k) = (4usize, 3usize, 3usize);
+        for (frames, t_out, converted) in [(2usize, 15usize, false), (2, 16, true), (1, 7, false), (1, 40, true)] {
+            let mut m = conv_model_t(ci, co, k, 1, 5, Some(t_out + k - 1));
+            let c = convolutions_to_f16(&mut m, Some(frames)).unwrap();
+            assert_eq!((c.products, c.kept), if converted { (1, 0) } else { (0, 1) }, "frames {frames} t {t_out}");
+            let macs = (co * ci * k * t_out) as f64;
+            assert_eq!(if converted { c.macs_f16 } else { c.macs_kept }, macs);
+            let f16_consts =
+                m.nodes.iter().filter(|n| n.op_as::<Const>().is_some_and(|c| c.val().datum_type() == f16::datum_type())).count();
+            assert_eq!(f16_consts > 0, converted, "frames {frames} t {t_out}:\n{m}");
+        }
+    }
+
     /// A graph without convolutions is left alone.
     #[test]
     fn no_products_no_change() {
@@ -200,7 +271,7 @@ mod tests {
         let y = m.wire_node("neg", tract_onnx::tract_core::ops::math::neg(), &[x]).unwrap()[0];
         m.select_output_outlets(&[y]).unwrap();
         let before = format!("{m}");
-        assert_eq!(convolutions_to_f16(&mut m).unwrap(), 0);
+        assert_eq!(convolutions_to_f16(&mut m, None).unwrap().products, 0);
         assert_eq!(format!("{m}"), before);
     }
 }

@@ -171,12 +171,19 @@ pub(crate) fn load_plans(
         for (v, &in_half) in half.iter().enumerate() {
             let mut model = if v + 1 == half.len() { std::mem::take(&mut decluttered) } else { decluttered.clone() };
             let t = Instant::now();
-            let converted = if in_half { crate::fp16::convolutions_to_f16(&mut model).map_err(tract_err)? } else { 0 };
+            let converted =
+                if in_half { crate::fp16::convolutions_to_f16(&mut model, *f).map_err(tract_err)? } else { Default::default() };
             if in_half && let Some(edit) = edit_half {
                 edit(&mut model).map_err(tract_err)?;
             }
             if in_half {
-                log::debug!("{name}: {converted} convolutions in half precision");
+                let share = converted.macs_f16 / (converted.macs_f16 + converted.macs_kept).max(1.0);
+                log::info!(
+                    "{name}: {} convolutions in half precision ({:.1} % of the products' multiply-adds), {} at the frame rate kept float32",
+                    converted.products,
+                    100.0 * share,
+                    converted.kept
+                );
             }
             let heads = if split_heads { crate::heads::split(&mut model, &outputs).map_err(tract_err)?.map(Arc::new) } else { None };
             if split_heads {
