@@ -1112,6 +1112,7 @@ impl Segment {
     /// start, or once playing, whether to pause once at the end of what is queued.
     fn chunk(&mut self, at: f64, frames: usize, feed: &Feeder<'_>) {
         self.planner.chunk(at, frames);
+        log::trace!("start policy: chunk of {frames} frames at {:.1} ms ({} produced)", at * 1e3, self.planner.produced());
         let when = |s: f64| self.t + Duration::from_secs_f64(s.max(0.0));
         if !feed.passed(self.hold) {
             let d = self.planner.start();
