@@ -1119,11 +1119,12 @@ impl Segment {
             feed.open_at(self.hold, when(d.at));
             self.holds[0].open = d.at;
             log::debug!(
-                "start policy: {} of {} frames at {:.0} ms, {} per frame: start at {:.0} ms{}",
+                "start policy: {} of {} frames at {:.0} ms, {} per frame (chunk rates' spread {:.1} %): start at {:.0} ms{}",
                 d.produced,
                 d.predicted,
                 at * 1e3,
                 d.spf.map_or("unknown".into(), |s| format!("{:.1} ms", s * 1e3)),
+                d.spread * 1e2,
                 d.at * 1e3,
                 if d.capped { " (the budget)" } else { "" }
             );
@@ -1137,11 +1138,13 @@ impl Segment {
                 let at_frame = self.planner.produced();
                 self.holds.push(Hold { at_frame, open: d.at, boundary: false });
                 log::debug!(
-                    "start policy: {} of {} frames, {:.0} ms queued, {} per frame: would run dry; one pause, resuming at {:.0} ms",
+                    "start policy: {} of {} frames, {:.0} ms queued, {} per frame (chunk rates' spread {:.1} %): would run dry; \
+                     one pause, resuming at {:.0} ms",
                     d.produced,
                     d.predicted,
                     queued * 1e3,
                     d.spf.map_or("unknown".into(), |s| format!("{:.1} ms", s * 1e3)),
+                    d.spread * 1e2,
                     d.at * 1e3
                 );
             }

@@ -265,9 +265,13 @@ fn above_real_time_playback_starts_later_and_plays_through() {
     let times =
         Times { step: Duration::from_millis(160), prefill: Duration::from_millis(50), vocoder_per_frame: Duration::from_millis(64) };
     let frames = 32;
-    // a calibration of this pipeline, its jitter 100 ms: room for a busy test machine's late
-    // wake-ups at the end of the utterance, where the last chunk comes just in time
-    let calibrated = StageRates { seconds_per_frame: 0.16, jitter: 0.1, frames_per_token: None };
+    // a calibration of this pipeline, its jitter 50 ms: room for a busy test machine's late
+    // wake-ups. The planner also extrapolates the first chunk, which comes one step (160 ms)
+    // after the steady pattern, while the forced end's last chunk comes one step early: it
+    // starts about 160 ms + the jitter after the minimum (2.74 s), 7.7 % over it, which leaves
+    // room under the 10 % bound for the margin that a loaded machine's uneven chunks add
+    // (model::start::RateMeter::spread; 100 ms of jitter left 15 ms and failed under load)
+    let calibrated = StageRates { seconds_per_frame: 0.16, jitter: 0.05, frames_per_token: None };
     let (report, played, t0) = run(times, StartPolicy::PlayThrough, TEXT, frames, Some(calibrated));
     assert_eq!(report.frames, frames);
     let gaps: Vec<_> = played.gap_at.iter().filter(|g| g.1 > GAP).collect();
