@@ -537,25 +537,21 @@ mod tests {
             m.chunk(t, 2);
         }
         assert_eq!(m.spread(), 0.0);
-        // rates alternating 0.09 and 0.11 s per frame: median 0.1 (the mean of the middle two),
-        // every deviation 0.01, spread 1.4826 × 0.01 / 0.1
-        let mut m = RateMeter::new(None);
-        let mut t = 0.3;
-        m.chunk(t, 2);
-        for k in 0..10 {
-            t += 2.0 * if k % 2 == 0 { 0.09 } else { 0.11 };
+        // ten chunks of 2 frames after the first, at `a` and `b` seconds per frame in turn
+        let alternating = |a: f64, b: f64| {
+            let mut m = RateMeter::new(None);
+            let mut t = 0.3;
             m.chunk(t, 2);
-        }
-        assert!((m.spread() - 0.14826).abs() < 1e-9, "{}", m.spread());
-        // a host slower by 3 × at times: capped
-        let mut m = RateMeter::new(None);
-        let mut t = 0.3;
-        m.chunk(t, 2);
-        for k in 0..10 {
-            t += 2.0 * if k % 2 == 0 { 0.05 } else { 0.3 };
-            m.chunk(t, 2);
-        }
-        assert_eq!(m.spread(), MAX_SPREAD);
+            for k in 0..10 {
+                t += 2.0 * if k % 2 == 0 { a } else { b };
+                m.chunk(t, 2);
+            }
+            m.spread()
+        };
+        // median 0.1 (the mean of the middle two), every deviation 0.01: 1.4826 × 0.01 / 0.1
+        assert!((alternating(0.09, 0.11) - 0.14826).abs() < 1e-9, "{}", alternating(0.09, 0.11));
+        // a host slower by 6 × at times: capped
+        assert_eq!(alternating(0.05, 0.3), MAX_SPREAD);
     }
 
     /// Chunk timelines recorded on the build machine (model/tests/data/start: `herald speak` of
