@@ -171,8 +171,7 @@ fn split_long(
         for word in words(text, clause) {
             if word.len() > max && count(&text[word.clone()]) > max {
                 if let Some(r) = run.take() {
-                    let rn = count(&text[r.clone()]);
-                    pieces.push((r, rn));
+                    fit(text, r, max, count, pieces);
                 }
                 for part in by_bytes(text, word, max) {
                     fit(text, part, max, count, pieces);
@@ -183,19 +182,19 @@ fn split_long(
                 None => word,
                 Some(r) => {
                     let joined = r.start..word.end;
+                    // a run of at most `max` bytes is taken without counting, and is counted
+                    // when it is pushed (`fit`): normalization can make it more tokens than bytes
                     if joined.len() <= max || count(&text[joined.clone()]) <= max {
                         joined
                     } else {
-                        let rn = count(&text[r.clone()]);
-                        pieces.push((r, rn));
+                        fit(text, r, max, count, pieces);
                         word
                     }
                 }
             });
         }
         if let Some(r) = run {
-            let rn = count(&text[r.clone()]);
-            pieces.push((r, rn));
+            fit(text, r, max, count, pieces);
         }
     }
 }
@@ -525,6 +524,23 @@ mod tests {
         assert_eq!(kept, text);
         // the byte cut alone gives 12-byte runs of 6 characters, 24 "tokens": each is halved
         assert!(ranges.len() >= 8, "{}", ranges.len());
+    }
+
+    #[test]
+    fn a_run_of_words_within_the_byte_limit_is_halved_when_it_has_more_tokens() {
+        // the fuzz target's second crash (2026-12-07, fuzz/regressions/prompt): a word of 12
+        // bytes, within the limit by bytes, with U+0344 that NFC makes 4 bytes: 14 "tokens" of
+        // the stand-in, 13 of the real tokenizer, over the limit 12; it was pushed uncounted
+        let mut nfc_bytes = |s: &str| s.len() + 2 * s.matches('\u{344}').count();
+        let text = "Some words before it, and a long clause without any end \u{344}Q\09999999\0 then more words after";
+        let max = MAX_CHAR_TOKENS;
+        let limits = SegmentLimits { target_tokens: max, max_tokens: max };
+        let ranges = segments(text, limits, &mut nfc_bytes);
+        for r in &ranges {
+            assert!(nfc_bytes(&text[r.clone()]) <= max, "{:?}: {} tokens", &text[r.clone()], nfc_bytes(&text[r.clone()]));
+        }
+        let kept: String = ranges.iter().flat_map(|r| text[r.clone()].chars()).filter(|c| !c.is_whitespace()).collect();
+        assert_eq!(kept, text.chars().filter(|c| !c.is_whitespace()).collect::<String>());
     }
 
     #[test]
