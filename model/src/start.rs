@@ -27,8 +27,8 @@
 //! rate measured so far (measured on the 2-vCPU build machines at 0.6B q4: on an Intel host the
 //! first 12 frames at 87–93 ms per frame, the whole utterance 96 ms, chunks between 100 and
 //! 132 ms per frame, the player started 0.1–0.8 s too early and paused 1–4 times; on an AMD
-//! host, model/tests/data/start, the first chunks up to 10 % faster than the utterance). The planner therefore plans with
-//! `s × (1 + z u)`, `u` the relative spread of the rates of the utterance's chunks so far
+//! host, model/tests/data/start, the first chunks up to 10 % faster than the utterance). The
+//! planner therefore plans with `s × (1 + z u)`, `u` the relative spread of the rates of the utterance's chunks so far
 //! ([`RateMeter::spread`]) and `z` [`SPREAD_Z`]: the margin grows with the production still
 //! ahead and with how unsteady it has been, and is zero at a constant rate.
 
@@ -302,8 +302,9 @@ impl StartPlanner {
         self.produced
     }
 
-    fn plan(&self, from: usize, not_before: f64, deadline: f64, z: f64) -> Decision {
-        let spread = self.meter.spread();
+    /// The decision with the rate widened by `z` spreads (`spread`: [`RateMeter::spread`],
+    /// computed once by the caller: it sorts the chunk rates).
+    fn plan(&self, from: usize, not_before: f64, deadline: f64, z: f64, spread: f64) -> Decision {
         let spf = self.meter.seconds_per_frame().map(|s| s * (1.0 + z * spread).max(0.0));
         let base = match spf {
             Some(s) => earliest_start(self.now, self.produced, from, self.predicted, self.chunk, s, self.frame_s),
@@ -317,7 +318,7 @@ impl StartPlanner {
     /// When the player may start the utterance's first frame (at the last chunk's arrival or
     /// later, at most at the deadline).
     pub fn start(&self) -> Decision {
-        self.plan(0, self.now, self.deadline, self.spread_z)
+        self.plan(0, self.now, self.deadline, self.spread_z, self.meter.spread())
     }
 
     /// For a player that already plays and has `queued_s` seconds of this utterance's audio
@@ -332,8 +333,9 @@ impl StartPlanner {
     /// estimate.
     pub fn resume(&self, queued_s: f64) -> Option<Decision> {
         let end = self.now + queued_s.max(0.0);
-        let hopeful = self.plan(self.produced, end, f64::INFINITY, -self.spread_z);
-        (hopeful.at > end + TIE_S).then(|| self.plan(self.produced, end, f64::INFINITY, self.spread_z))
+        let spread = self.meter.spread();
+        let hopeful = self.plan(self.produced, end, f64::INFINITY, -self.spread_z, spread);
+        (hopeful.at > end + TIE_S).then(|| self.plan(self.produced, end, f64::INFINITY, self.spread_z, spread))
     }
 }
 
