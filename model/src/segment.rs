@@ -201,8 +201,13 @@ fn split_long(
 
 /// Push `text[r]`, halved at character boundaries until each piece has at most `max` tokens or
 /// is one character (the tokenizer's normalization can make a run of `max` bytes more than
-/// `max` tokens).
+/// `max` tokens). A run holds the white space between its words, so a half can begin or end
+/// with some: each piece is trimmed, and one of only white space is dropped.
 fn fit(text: &str, r: Range<usize>, max: usize, count: &mut dyn FnMut(&str) -> usize, pieces: &mut Vec<(Range<usize>, usize)>) {
+    let r = trim(text, r);
+    if r.is_empty() {
+        return;
+    }
     let n = count(&text[r.clone()]);
     let chars = text[r.clone()].char_indices().count();
     if n <= max || chars < 2 {
@@ -538,6 +543,26 @@ mod tests {
         let ranges = segments(text, limits, &mut nfc_bytes);
         for r in &ranges {
             assert!(nfc_bytes(&text[r.clone()]) <= max, "{:?}: {} tokens", &text[r.clone()], nfc_bytes(&text[r.clone()]));
+        }
+        let kept: String = ranges.iter().flat_map(|r| text[r.clone()].chars()).filter(|c| !c.is_whitespace()).collect();
+        assert_eq!(kept, text.chars().filter(|c| !c.is_whitespace()).collect::<String>());
+    }
+
+    #[test]
+    fn the_halves_of_a_run_are_trimmed() {
+        // the start of the fuzz target's third crash (2026-12-07, fuzz/regressions/prompt): the
+        // run "\u{344}Q\099\n\u{344}Q\0\0", 12 bytes and 16 "tokens" of the stand-in, was halved
+        // at its line break, and the second half began with it
+        let mut nfc_bytes = |s: &str| s.len() + 2 * s.matches('\u{344}').count();
+        let text = "\0\rQ\n\n\u{344}Q\099\n\u{344}Q\0\0 <\0\0\0\0\0\0\0rd\u{2026}ally?ially.\r\nThen more words";
+        let max = MAX_CHAR_TOKENS;
+        let limits = SegmentLimits { target_tokens: 1, max_tokens: max };
+        let ranges = segments(text, limits, &mut nfc_bytes);
+        assert!(!ranges.is_empty());
+        for r in &ranges {
+            let s = &text[r.clone()];
+            assert!(!s.is_empty() && s == s.trim(), "{s:?} is not trimmed");
+            assert!(nfc_bytes(s) <= max, "{s:?}: {} tokens", nfc_bytes(s));
         }
         let kept: String = ranges.iter().flat_map(|r| text[r.clone()].chars()).filter(|c| !c.is_whitespace()).collect();
         assert_eq!(kept, text.chars().filter(|c| !c.is_whitespace()).collect::<String>());
