@@ -159,9 +159,12 @@ fn python() -> PathBuf {
     p
 }
 
-/// Run the reference over every case once; returns the output directory.
+/// Run the reference over every case once; returns the output directory, one per process:
+/// scripts/parity-aarch64 runs this test under two emulated CPUs at once, whose references
+/// differ (int8 or float32 activations in the q4 products), so a shared directory let one run
+/// compare against the other's reference. Removed when the test passes, kept when it fails.
 fn reference_outputs(cases: &[Case]) -> PathBuf {
-    let out = PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join("parity");
+    let out = PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join(format!("parity-{}", std::process::id()));
     let _ = std::fs::remove_dir_all(&out);
     std::fs::create_dir_all(&out).unwrap();
     let json: Vec<serde_json::Value> = cases
@@ -235,6 +238,7 @@ fn codes_and_pcm_match_the_reference() {
         assert!(d <= 1e-4, "{}: PCM max abs diff {d}", c.id);
     }
     println!("{} cases, worst PCM max abs diff {worst:e}", cases.len());
+    let _ = std::fs::remove_dir_all(&out);
 }
 
 #[test]
