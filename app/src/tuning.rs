@@ -174,8 +174,15 @@ pub fn tune_for(cfg: &Config, dir: &Path, m: &Manifest, profile: HardwareProfile
     let form = cfg.synthesis.vocoder.form().unwrap_or_else(|| m.default_vocoder_form());
     let fp = footprint(dir, m, form).map_err(bundle_err)?;
     let derived = derive::derive(&profile, &fp, allowed, cfg.synthesis.kv_capacity as u64)?;
-    // a calibration measures one vocoder form: the other one has other costs per chunk
-    let bundle_id = format!("{}\nvocoder {form}", bundle_id(dir).map_err(bundle_err)?);
+    // a calibration measures one vocoder form in one arithmetic: the other form has other costs
+    // per chunk, and the half-precision convolutions (runtime.vocoder_precision) others again
+    // (on a core with fp16 arithmetic; `auto` resolves from the CPU's features, which the
+    // fingerprint holds too)
+    let bundle_id = format!(
+        "{}\nvocoder {form}\nvocoder precision {}",
+        bundle_id(dir).map_err(bundle_err)?,
+        cfg.runtime.vocoder_precision.as_str()
+    );
     let fingerprint = calibration::fingerprint(&profile, &bundle_id);
     let default = default_ramp(cfg, form);
     let steady = default.last().copied().unwrap_or(25);

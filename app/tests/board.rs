@@ -68,6 +68,33 @@ fn probe_derives_settings_for_every_snapshot() {
     assert!(text(&o.stdout).contains("source=probe") && text(&o.stdout).contains("derived     dtype fp32"));
 }
 
+/// A calibration is measured in one vocoder arithmetic: `runtime.vocoder_precision` is part of
+/// the fingerprint, so a board calibrated in float32 measures again when switched to fp16 (and
+/// back), while the same settings always name the same file.
+#[test]
+fn the_vocoder_precision_is_part_of_the_fingerprint() {
+    let d = tmp("precision");
+    let b = bundle();
+    let profile = snapshot_profile("rpi5", &d);
+    let print = |precision: &str| {
+        let o = herald(
+            &["probe", "--bundle", b.to_str().unwrap()],
+            &[("HERALD_HW_PROFILE", profile.to_str().unwrap()), ("HERALD_RUNTIME_VOCODER_PRECISION", precision)],
+        );
+        assert!(o.status.success(), "{precision}: {}", text(&o.stderr));
+        let out = text(&o.stdout);
+        out.lines().find_map(|l| l.strip_prefix("fingerprint ")).unwrap_or_else(|| panic!("{out}")).trim().to_string()
+    };
+    let fp32 = print("fp32");
+    let fp16 = print("fp16");
+    let auto = print("auto");
+    assert_eq!(fp32.len(), 16);
+    assert_ne!(fp32, fp16);
+    assert_ne!(fp32, auto);
+    assert_ne!(fp16, auto);
+    assert_eq!(print("fp32"), fp32, "the same settings name the same calibration file");
+}
+
 #[test]
 fn a_bundle_that_cannot_fit_is_refused_before_any_output() {
     let d = tmp("refuse");
